@@ -1,0 +1,66 @@
+# The front door: `make help` lists every target.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATAGEN := $(PY) -m cli.main
+CONFIG ?=
+CFG := $(if $(CONFIG),--config $(CONFIG),)
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the CPU build this machine kind carries (the range in
+	# pyproject would otherwise pull a multi-GB CUDA build on a CPU-only machine).
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[gpu,dev]"
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install the project with its test tools
+
+demo: install ## run the whole pipeline on the bundled demo partition (no GPU, no Redis needed)
+	$(DATAGEN) demo
+
+test: install ## run the whole test suite (starts its own Redis, simulator and workers)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install ## ruff on everything
+	$(PY) -m ruff check .
+
+produce: install ## enqueue every sample not done yet (CONFIG=path/to/settings.toml)
+	$(DATAGEN) produce $(CFG)
+
+run: install ## produce and follow until every dataset is done or closed
+	$(DATAGEN) run $(CFG)
+
+workers: install ## start a short and a long worker (concurrency from the settings)
+	$(DATAGEN) worker short $(CFG) & $(DATAGEN) worker long $(CFG) & wait
+
+worker-gpu: install ## start one extraction worker (set CUDA_VISIBLE_DEVICES per GPU)
+	$(DATAGEN) worker gpu $(CFG)
+
+flower: install ## start Flower with authentication (flower_basic_auth setting)
+	$(DATAGEN) flower $(CFG)
+
+status: install ## one table of every dataset's budget, tokens and state
+	$(DATAGEN) status $(CFG)
+
+merge: install ## merge the records into raw_responses.jsonl per dataset
+	$(DATAGEN) merge $(CFG)
+
+recover: install ## rebuild the ledger from the records on disk, re-enqueue what is missing
+	$(DATAGEN) recover $(CFG)
+
+bench: install ## run the benchmarks (results in bench/results and docs/BENCHMARKS.md)
+	$(PY) bench/bench_generate.py
+
+clean: ## remove the virtualenv and run folders
+	rm -rf $(VENV) runs
+
+.PHONY: help install demo test lint produce run workers worker-gpu flower status merge recover bench clean

@@ -1,0 +1,1 @@
+"""Entry points: the `datagen` command line and the demo. Imports flow into here only."""

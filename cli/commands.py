@@ -1,0 +1,198 @@
+"""The `datagen` subcommands. Each takes the effective settings and the parsed arguments."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from typing import Any
+
+from config.settings import Settings, settings_fields
+from datagen import status as status_mod
+from datagen.celery_app import make_app, worker_argv
+from datagen.guard import close, enqueue
+from datagen.ledger import Ledger
+from datagen.liveness import sweep
+from datagen.merge import datasets_on_disk, merge_dataset
+from datagen.recovery import rebuild_dataset
+
+EXIT_BAD_INPUT = 3
+
+
+def _ledger(settings: Settings) -> Ledger:
+    return Ledger.from_settings(settings)
+
+
+def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
+    from cli.main import print_json  # noqa: PLC0415
+
+    print_json(settings.public())
+    return 0
+
+
+def cmd_produce(settings: Settings, args: argparse.Namespace) -> int:
+    from producers.producer import Producer  # noqa: PLC0415 (tokenizer loads lazily)
+
+    producer = Producer(settings, make_app(settings), _ledger(settings))
+    reports = producer.run()
+    print(render_produce(reports))
+    return EXIT_BAD_INPUT if any(r.bad for r in reports) else 0
+
+
+def render_produce(reports: list[Any]) -> str:
+    lines = [f"{'dataset':<14} {'read':>6} {'enqueued':>8} {'short':>6} {'long':>5} "
+             f"{'done':>6} {'queued':>6} {'clamped':>7} {'skipped':>7}"]
+    for r in reports:
+        lines.append(f"{r.dataset:<14} {r.read:>6} {r.enqueued:>8} {r.short:>6} {r.long:>5} "
+                     f"{r.already_done:>6} {r.already_queued:>6} {r.clamped:>7} "
+                     f"{r.bad_count:>7}")
+    for r in reports:
+        for line in (r.rebuilt, r.skipped):
+            if line:
+                lines.append(line)
+        for bad in r.bad[:10]:
+            lines.append(f"  skipped {bad}")
+        if r.bad_count > 10:
+            lines.append(f"  ... {r.bad_count - 10} more in reports/{r.dataset}.bad.txt")
+    total_bad = sum(r.bad_count for r in reports)
+    lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input")
+    return "\n".join(lines)
+
+
+def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
+    from cli.main import print_json  # noqa: PLC0415
+
+    ledger = _ledger(settings)
+    if args.json:
+        print_json(status_mod.as_json(status_mod.rows(ledger)))
+        return 0
+    if not args.watch:
+        print(status_mod.render(status_mod.rows(ledger)))
+        return 0
+    follow(ledger, args.interval, until_finished=False)
+    return 0
+
+
+def follow(ledger: Ledger, interval: float, until_finished: bool = True,
+           app: Any = None, timeout_s: float | None = None) -> list[status_mod.Row]:
+    """Redraw the status table until every dataset is finished (or forever)."""
+    live = sys.stdout.isatty()
+    previous: dict[str, tuple[float, int]] = {}
+    started = time.monotonic()
+    last_line = 0.0
+    while True:
+        table = status_mod.rows(ledger, previous)
+        previous = {r.dataset: (time.monotonic(), r.tokens) for r in table}
+        if live:
+            print("\x1b[2J\x1b[H" + status_mod.render(table, bars=True), flush=True)
+        elif time.monotonic() - last_line >= max(interval, 10.0):
+            last_line = time.monotonic()
+            print(progress_line(table), flush=True)
+        if until_finished and status_mod.finished(table):
+            if app is None or not sweep(ledger, lambda job: enqueue(app, job)):
+                return table
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"run not finished after {timeout_s:.0f}s")
+        time.sleep(interval)
+
+
+def progress_line(table: list[status_mod.Row]) -> str:
+    parts = [f"{r.dataset} {r.tokens:,}/{r.budget:,} ({r.percent:.0f}%, {r.state})"
+             for r in table]
+    return time.strftime("%H:%M:%S ") + "; ".join(parts)
+
+
+def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
+    code = cmd_produce(settings, args)
+    ledger = _ledger(settings)
+    table = follow(ledger, args.interval, app=make_app(settings))
+    print(status_mod.render(table))
+    _merge_all(settings, ledger)
+    return code
+
+
+def cmd_merge(settings: Settings, args: argparse.Namespace) -> int:
+    _merge_all(settings, _ledger(settings), args.include_uncommitted)
+    return 0
+
+
+def _merge_all(settings: Settings, ledger: Ledger, include_uncommitted: bool = False) -> None:
+    for dataset in datasets_on_disk(settings.output_dir):
+        committed = ledger.r.hgetall(ledger.k(dataset, "done")) or None
+        report = merge_dataset(settings.output_dir, dataset, committed, include_uncommitted)
+        extra = f", {report.duplicates} duplicates dropped" if report.duplicates else ""
+        if report.uncommitted:
+            extra += f", {report.uncommitted} uncommitted left out"
+        print(f"{dataset}: {report.records} records, {report.completion_tokens:,} completion "
+              f"tokens -> {report.path}{extra}")
+
+
+def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
+    ledger = _ledger(settings)
+    if args.dataset is None or args.tokens is None:
+        print(status_mod.render(status_mod.rows(ledger)))
+        return 0
+    app = make_app(settings)
+    old = ledger.budget(args.dataset)
+    ledger.set_budget(args.dataset, args.tokens)
+    tokens = ledger.snapshot(args.dataset)["tokens"]
+    if tokens >= args.tokens:
+        close(app, ledger, args.dataset, "budget", settings.abort_on_close)
+        print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}; {tokens:,} tokens, closed")
+        return 0
+    if ledger.closed(args.dataset):
+        ledger.reopen(args.dataset)
+        print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}; reopened, enqueueing what "
+              "is missing")
+        return cmd_produce(settings.replace(partition=args.dataset), args)
+    print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}")
+    return 0
+
+
+def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
+    ledger = _ledger(settings)
+    for dataset in datasets_on_disk(settings.output_dir):
+        rebuilt = rebuild_dataset(ledger, dataset)
+        print(rebuilt.line(ledger.budget(dataset)))
+    return cmd_produce(settings, args)
+
+
+def cmd_sweep(settings: Settings, args: argparse.Namespace) -> int:
+    app = make_app(settings)
+    count = sweep(_ledger(settings), lambda job: enqueue(app, job))
+    print(f"{count} samples re-enqueued")
+    return 0
+
+
+def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
+    argv = worker_argv(settings, args.queue) + list(args.celery_args or [])
+    os.execv(argv[0], argv)
+    return 1  # not reached
+
+
+def cmd_flower(settings: Settings, args: argparse.Namespace) -> int:
+    auth = settings.flower_basic_auth
+    if not auth:
+        auth = f"datagen:{secrets.token_urlsafe(12)}"
+        print(f"Flower login (generated, set flower_basic_auth to choose): {auth}",
+              flush=True)
+    argv = [sys.executable, "-m", "celery", "-A", "datagen.celery_app", "flower",
+            f"--port={args.port}", f"--address={args.address}", f"--basic-auth={auth}"]
+    os.execv(argv[0], argv)
+    return 1  # not reached
+
+
+def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    from cli.demo import run_demo  # noqa: PLC0415
+
+    return run_demo(args)
+
+
+def config_reference() -> str:
+    """Markdown table of every setting, its default and its environment variable."""
+    lines = ["| setting | default | environment |", "|---|---|---|"]
+    for name, default, env in settings_fields():
+        lines.append(f"| `{name}` | `{default!r}` | `{env}` |")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""`datagen`: one command line for every step of a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from config.settings import Settings, SettingsError, load_settings, masked_url
+
+log = logging.getLogger("datagen")
+
+# Flags users of the original single-process script know, mapped to settings fields.
+RUN_FLAGS: dict[str, tuple[str, Any]] = {
+    "--partition": ("partition", str),
+    "--data-dir": ("data_dir", str),
+    "--output-dir": ("output_dir", str),
+    "--server-url": ("server_url", str),
+    "--redis-url": ("redis_url", str),
+    "--tokenizer": ("tokenizer_path", str),
+    "--short-concurrency": ("short_concurrency", int),
+    "--short-max-tokens": ("short_max_tokens", int),
+    "--long-concurrency": ("long_concurrency", int),
+    "--long-max-tokens": ("long_max_tokens", int),
+    "--long-threshold": ("long_threshold_tokens", int),
+    "--context-length": ("context_length", int),
+    "--token-budget": ("token_budget", int),
+    "--max-samples": ("max_samples", int),
+}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML settings file (also $DATAGEN_CONFIG)")
+    for flag, (field, kind) in RUN_FLAGS.items():
+        parser.add_argument(flag, dest=field, type=kind, default=None)
+    parser.add_argument("--budget-counts", dest="budget_counts",
+                        choices=("completion", "total"), default=None)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    overrides = {field: getattr(args, field, None) for field, _ in RUN_FLAGS.values()}
+    overrides["budget_counts"] = getattr(args, "budget_counts", None)
+    settings = load_settings(args.config, overrides=overrides)
+    # Child processes (workers started from here) must load exactly these settings.
+    if args.config:
+        os.environ["DATAGEN_CONFIG"] = os.path.abspath(args.config)
+    for field, value in overrides.items():
+        if value is not None:
+            os.environ[f"DATAGEN_{field.upper()}"] = str(value)
+    return settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="datagen", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    commands = {
+        "produce": "tokenize the datasets and enqueue every sample not done yet",
+        "run": "produce, then follow progress until every dataset is done or closed",
+        "status": "where every dataset stands (budget, tokens, samples, state)",
+        "merge": "merge the workers' records into raw_responses.jsonl per dataset",
+        "budget": "show or change a dataset's budget while the run goes on",
+        "recover": "rebuild the ledger from the records on disk and re-enqueue what is missing",
+        "sweep": "re-enqueue samples whose queue message was lost",
+        "worker": "start a Celery worker for a queue with the concurrency from the settings",
+        "flower": "start Flower with authentication",
+        "config": "print the effective settings (secrets masked)",
+        "demo": "run the whole pipeline on the bundled demo partition",
+    }
+    parsers = {}
+    for name, text in commands.items():
+        parsers[name] = p = sub.add_parser(name, help=text, description=text)
+        _add_settings_flags(p)
+    parsers["status"].add_argument("--watch", action="store_true")
+    parsers["status"].add_argument("--json", action="store_true")
+    parsers["status"].add_argument("--interval", type=float, default=2.0)
+    parsers["run"].add_argument("--interval", type=float, default=2.0)
+    parsers["merge"].add_argument("--include-uncommitted", action="store_true")
+    parsers["budget"].add_argument("dataset", nargs="?")
+    parsers["budget"].add_argument("tokens", nargs="?", type=int)
+    parsers["worker"].add_argument("queue", choices=("short", "long", "gpu"))
+    parsers["worker"].add_argument("celery_args", nargs=argparse.REMAINDER)
+    parsers["flower"].add_argument("--port", type=int, default=5555)
+    parsers["flower"].add_argument("--address", default="127.0.0.1")
+    parsers["demo"].add_argument("--workdir", default="runs/demo")
+    parsers["demo"].add_argument("--keep", action="store_true",
+                                 help="leave Redis, simulator and workers running")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("DATAGEN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    args = _parser().parse_args(argv)
+    try:
+        settings = settings_from(args)
+    except SettingsError as exc:
+        print(f"datagen: bad settings: {exc}", file=sys.stderr)
+        return 2
+    from cli import commands  # noqa: PLC0415 (keeps `--help` fast)
+
+    handler = getattr(commands, f"cmd_{args.command}")
+    try:
+        return int(handler(settings, args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def describe(settings: Settings) -> str:
+    return (f"redis {masked_url(settings.redis_url)}, server {masked_url(settings.server_url)},"
+            f" output {settings.output_dir}, at {time.strftime('%H:%M:%S')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

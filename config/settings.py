@@ -1,0 +1,199 @@
+"""One typed, frozen settings object for every process of a run.
+
+The producer, every worker and Flower build their Celery app from the same
+``Settings``: a shorter ``visibility_timeout_s`` on any client of the same Redis
+database makes kombu redeliver running tasks, so no process may differ.
+
+Precedence, lowest first: defaults here < TOML file (``--config`` or
+``DATAGEN_CONFIG``) < environment (``DATAGEN_<FIELD>``) < explicit overrides
+(command-line flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+ENV_PREFIX = "DATAGEN_"
+CONFIG_ENV = "DATAGEN_CONFIG"
+BUDGET_MEASURES = ("completion", "total")
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Where things are.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    server_url: str = "http://127.0.0.1:30000"
+    api_key: str | None = None
+    data_dir: str = "data/demo/partition"
+    partition: str = "all"
+    output_dir: str = "runs/default"
+    tokenizer_path: str = ""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    # Queues: one source for the worker start commands (Makefile, compose).
+    long_threshold_tokens: int = 2048
+    short_concurrency: int = 150
+    short_max_tokens: int = 10240
+    long_concurrency: int = 32
+    long_max_tokens: int = 16384
+    context_length: int | None = None
+    sampling_params: dict[str, Any] = field(
+        default_factory=lambda: {"temperature": 0.7, "top_p": 0.95}
+    )
+
+    # Budgets.
+    token_budget: int = 10_000_000
+    budgets: dict[str, int] = field(default_factory=dict)
+    budget_counts: str = "completion"
+    max_samples: int | None = None
+    keep_truncated: bool = True
+    abort_on_close: bool = False  # abort in-flight requests when a dataset closes
+    precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
+
+    # HTTP: every call carries both timeouts (the threads pool cannot kill a task).
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 7200.0
+    max_retries: int = 5
+    retry_backoff_s: float = 2.0
+
+    # Celery/kombu. Early ack + no prefetch runs each task once (REFERENCE §4);
+    # lost work after a crash is found through the ledger's leases instead.
+    visibility_timeout_s: int = 43_200
+    worker_pool: str = "threads"
+    lease_s: float = 30.0
+
+    # Flower: "user:password"; `datagen flower` generates one when empty.
+    flower_basic_auth: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
+                  "long_max_tokens", "long_threshold_tokens", "token_budget",
+                  "visibility_timeout_s")
+        if self.budget_counts not in BUDGET_MEASURES:
+            raise SettingsError(
+                f"budget_counts: {self.budget_counts!r} is not one of {BUDGET_MEASURES}")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise SettingsError(f"max_samples: {self.max_samples!r} must be >= 1")
+        if self.context_length is not None and self.context_length < 1:
+            raise SettingsError(f"context_length: {self.context_length!r} must be >= 1")
+        for name, budget in self.budgets.items():
+            if not isinstance(budget, int) or budget < 0:
+                raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
+        for url_field in ("redis_url", "server_url"):
+            if "://" not in getattr(self, url_field):
+                raise SettingsError(f"{url_field}: {masked_url(getattr(self, url_field))!r} "
+                                    "is not a URL")
+
+    def budget_for(self, dataset: str) -> int:
+        return self.budgets.get(dataset, self.token_budget)
+
+    def queue_limits(self, queue: str) -> tuple[int, int]:
+        """(concurrency, max_new_tokens) of the ``short`` or ``long`` queue."""
+        if queue == "short":
+            return self.short_concurrency, self.short_max_tokens
+        return self.long_concurrency, self.long_max_tokens
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def public(self) -> dict[str, Any]:
+        """The settings as a dict that is safe to print or log."""
+        out = dataclasses.asdict(self)
+        out["redis_url"] = masked_url(self.redis_url)
+        out["server_url"] = masked_url(self.server_url)
+        for secret in ("api_key", "flower_basic_auth"):
+            if out[secret]:
+                out[secret] = "***"
+        return out
+
+
+def _positive(settings: Settings, *names: str) -> None:
+    for name in names:
+        value = getattr(settings, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SettingsError(f"{name}: {value!r} must be an integer >= 1")
+
+
+def masked_url(url: str) -> str:
+    """The URL with any password replaced by ***, for logs and status output."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def load_settings(config_path: str | Path | None = None,
+                  env: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> Settings:
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_path or env.get(CONFIG_ENV)
+    if path:
+        values.update(_read_toml(Path(path)))
+    values.update(_from_env(env))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings(**values)
+    except TypeError as exc:
+        raise SettingsError(str(exc)) from exc
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise SettingsError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path}: {exc}") from exc
+    known = {f.name for f in fields(Settings)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return raw
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(Settings):
+        raw = env.get(ENV_PREFIX + f.name.upper())
+        if raw is not None:
+            out[f.name] = _coerce(f.name, raw, f.type)
+    return out
+
+
+def _coerce(name: str, raw: str, type_name: Any) -> Any:
+    kind = str(type_name)
+    try:
+        if kind.startswith("dict"):
+            return json.loads(raw)
+        if kind.startswith("bool"):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        if kind.startswith("int"):
+            return None if raw == "" else int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a {kind}") from exc
+    return raw or None if "None" in kind else raw
+
+
+def settings_fields() -> list[tuple[str, Any, str]]:
+    """(name, default, environment variable) for the configuration reference."""
+    defaults = Settings()
+    return [(f.name, getattr(defaults, f.name), ENV_PREFIX + f.name.upper())
+            for f in fields(Settings)]

@@ -1,0 +1,167 @@
+"""Write the bundled demo partition (data/demo/partition/); run again to reproduce it byte for byte.
+
+    python data/demo/make_demo.py
+
+Four datasets mixing every record shape the reader accepts, with multi-turn history, trailing
+assistant turns to drop, and five deliberately bad lines so the demo shows the bad-input report:
+
+    B1_chat     120 prompts, 2 files, OpenAI + ShareGPT; bad: invalid JSON, a duplicate
+    B2_math     100 prompts, 1 file, plain + OpenAI;     bad: unknown role 'tool'
+    A1_code      80 prompts, 2 files, SpecForge;         bad: empty conversations
+    A2_longdoc   40 prompts, 1 file, OpenAI, long documents (1.5K-3K tokens, the `long` queue);
+                 bad: nothing left after dropping the trailing assistant turn
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "partition"
+SEED = 7
+
+TOPICS = ["sourdough bread", "a small vegetable garden", "remote team meetings", "city cycling",
+          "learning the piano", "home networking", "saving for retirement", "birdwatching",
+          "a first marathon", "moving to a new city", "houseplants", "public speaking",
+          "a camping trip", "reading more books", "a job interview", "composting"]
+ASKS = ["How should I get started with {t}?", "What are common mistakes people make with {t}?",
+        "Can you give me a simple plan for {t} over the next month?",
+        "Explain {t} to a friend who has never tried it.",
+        "What would you check first if {t} is not going well?"]
+FILLER = ("I have tried a few things already but the results were mixed and I am not sure what "
+          "to change next. My time is limited during the week, so simple steps help most. ").split()
+SYSTEMS = ["You are a helpful assistant.", "Answer briefly and clearly.",
+           "You are a patient tutor. Show your reasoning step by step."]
+LANGS = ["Python", "Rust", "Go", "TypeScript", "SQL"]
+CODE_TASKS = ["parses a CSV file and returns the rows as dictionaries",
+              "merges two sorted lists into one sorted list",
+              "retries an HTTP request with exponential backoff",
+              "counts word frequencies in a text file", "validates an email address",
+              "implements a least recently used cache", "finds the longest common prefix"]
+SNIPPET = ("def load(path):\n    rows = []\n    for line in open(path):\n"
+           "        rows.append(line.split(','))\n    return rows\n")
+NAME_PARTS = ["load", "parse", "merge", "count", "check", "build", "fetch", "clean", "sort"]
+DOC_WORDS = ("the report describes how the regional water system was planned built and run over "
+             "ten years with notes on budget staff training energy use river levels public "
+             "meetings and the results of every quarterly review including problems found early "
+             "and the changes made after each one").split()
+
+
+def chat_text(rng: random.Random) -> str:
+    ask = rng.choice(ASKS).format(t=rng.choice(TOPICS))
+    return ask + " " + " ".join(rng.choice(FILLER) for _ in range(rng.randint(10, 120)))
+
+
+def answer_text(rng: random.Random) -> str:
+    words = (rng.choice(FILLER) for _ in range(rng.randint(8, 40)))
+    return "Here is a short answer. " + " ".join(words)
+
+
+def openai_turns(rng: random.Random, history: int, trailing: bool) -> list[dict[str, str]]:
+    turns = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.4 else []
+    for _ in range(history):
+        turns += [{"role": "user", "content": chat_text(rng)},
+                  {"role": "assistant", "content": answer_text(rng)}]
+    turns.append({"role": "user", "content": chat_text(rng)})
+    if trailing:
+        turns.append({"role": "assistant", "content": answer_text(rng)})
+    return turns
+
+
+def sharegpt(turns: list[dict[str, str]]) -> dict[str, Any]:
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    return {"conversations": [{"from": names[t["role"]], "value": t["content"]} for t in turns]}
+
+
+def b1_chat(rng: random.Random) -> tuple[list[str], list[str]]:
+    rows = []
+    for i in range(120):
+        turns = openai_turns(rng, history=rng.choice([0, 0, 1, 2]), trailing=i % 3 == 0)
+        rows.append(sharegpt(turns) if i % 2 else {"id": f"chat-{i:04d}", "messages": turns})
+    first, second = [dump(r) for r in rows[:70]], [dump(r) for r in rows[70:]]
+    first.insert(33, '{"messages": [{"role": "user" "content": "Name a good book."}]}')
+    second.insert(20, first[5])  # the same record again: reported as a duplicate
+    return first, second
+
+
+def b2_math(rng: random.Random) -> list[str]:
+    rows = []
+    for i in range(100):
+        a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
+        text = (f"A shop sells {a} boxes on Monday and {b} boxes on Tuesday. Each box holds {c} "
+                f"items. How many items were sold in total? Explain each step.")
+        if i % 4 == 0:
+            rows.append({"messages": [{"role": "system", "content": SYSTEMS[2]},
+                                      {"role": "user", "content": text}]})
+        else:
+            rows.append({"prompt": text, **({"system": SYSTEMS[2]} if i % 5 == 0 else {})})
+    lines = [dump(r) for r in rows]
+    lines.insert(50, dump({"messages": [{"role": "tool", "content": "42"},
+                                        {"role": "user", "content": "What is 6 x 7?"}]}))
+    return lines
+
+
+def a1_code(rng: random.Random) -> tuple[list[str], list[str]]:
+    rows = []
+    for i in range(80):
+        lang, task = rng.choice(LANGS), rng.choice(CODE_TASKS)
+        name = f"{rng.choice(NAME_PARTS)}_{rng.choice(NAME_PARTS)}_{i}"
+        ask = (f"Write a {lang} function `{name}` that {task}. It must handle inputs of up to "
+               f"{rng.randint(10, 10_000)} items. Add tests and explain the edge cases.")
+        if i % 4 == 1:
+            ask = f"Review this code and rewrite it in {lang}:\n```python\n{SNIPPET}```\n" + ask
+        turns = [{"role": "user", "content": ask}]
+        if i % 5 == 2:
+            turns.append({"role": "assistant", "content": f"Here is a {lang} version."})
+        rows.append({"id": f"code-{i:03d}", "conversations": turns})
+    first, second = [dump(r) for r in rows[:40]], [dump(r) for r in rows[40:]]
+    second.insert(10, dump({"id": "code-empty", "conversations": []}))
+    return first, second
+
+
+def long_document(rng: random.Random) -> str:
+    paragraphs = []
+    for number in range(rng.randint(10, 14)):
+        words = [rng.choice(DOC_WORDS) for _ in range(rng.randint(80, 110))]
+        paragraphs.append(f"Section {number + 1}. " + " ".join(words).capitalize() + ".")
+    return "\n\n".join(paragraphs)
+
+
+def a2_longdoc(rng: random.Random) -> list[str]:
+    lines = []
+    for i in range(40):
+        ask = rng.choice(["Summarize the document above in five bullet points.",
+                          "List every problem the document mentions and how it was fixed."])
+        turns = [{"role": "system", "content": SYSTEMS[1]},
+                 {"role": "user", "content": long_document(rng) + "\n\n" + ask}]
+        lines.append(dump({"id": f"doc-{i:02d}", "messages": turns}))
+    lines.insert(25, dump({"id": "doc-answer-only",
+                           "messages": [{"role": "assistant", "content": "Nothing to ask."}]}))
+    return lines
+
+
+def dump(row: dict[str, Any]) -> str:
+    return json.dumps(row, ensure_ascii=False)
+
+
+def write(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def main() -> None:
+    rng = random.Random(SEED)
+    chat_a, chat_b = b1_chat(rng)
+    write(OUT / "B1_chat" / "part-000.jsonl", chat_a)
+    write(OUT / "B1_chat" / "part-001.jsonl", chat_b)
+    write(OUT / "B2_math" / "problems.jsonl", b2_math(rng))
+    code_a, code_b = a1_code(rng)
+    write(OUT / "A1_code" / "part-000.jsonl", code_a)
+    write(OUT / "A1_code" / "part-001.jsonl", code_b)
+    write(OUT / "A2_longdoc" / "documents.jsonl", a2_longdoc(rng))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Errors of the pipeline.
+
+    DatagenError
+    ├── RetryableError        the same call may succeed later
+    │   ├── ServerUnavailable     connection refused/reset, 5xx, 503 queue full, timeout
+    │   └── LedgerUnavailable     Redis down or restarting
+    └── PermanentError        retrying cannot help: dead-letter with the reason
+        ├── BadRequest            SGLang answered 400 (over-long input, bad parameter)
+        ├── BadInput              a prompt record that cannot be used
+        └── StorageError          the output folder cannot be written
+"""
+
+
+class DatagenError(Exception):
+    """Root of every error this project raises on purpose."""
+
+
+class RetryableError(DatagenError):
+    pass
+
+
+class ServerUnavailable(RetryableError):
+    pass
+
+
+class LedgerUnavailable(RetryableError):
+    pass
+
+
+class PermanentError(DatagenError):
+    pass
+
+
+class BadRequest(PermanentError):
+    pass
+
+
+class BadInput(PermanentError):
+    pass
+
+
+class StorageError(PermanentError):
+    pass

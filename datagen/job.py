@@ -1,0 +1,96 @@
+"""A generation job: what a task message carries, and the prompt store it points into.
+
+Messages carry ids and a file offset only (~300 bytes), not the prompt's token
+ids: 100,000 queued prompts of 2K tokens would otherwise hold gigabytes of Redis
+memory. The producer writes the tokenized prompts to ``prompts/<dataset>/``
+under the shared output folder; a worker reads one line at the given offset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from datagen.errors import BadInput
+
+PROMPTS_DIR = "prompts"
+
+
+@dataclass(frozen=True)
+class Job:
+    dataset: str
+    sample: str
+    queue: str
+    prompt_file: str  # relative to the output folder
+    offset: int
+    prompt_tokens: int
+    max_new_tokens: int
+    epoch: int = 0  # bumped when a closed dataset is reopened (stamped revokes are per epoch)
+
+    def payload(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> Job:
+        return cls(**payload)
+
+    @property
+    def stamp(self) -> str:
+        return f"{self.dataset}#{self.epoch}"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    sample: str
+    dataset: str
+    messages: list[dict[str, str]]
+    prompt_ids: list[int]
+
+
+class PromptStore:
+    """Append-only JSONL of tokenized prompts, one file per producer run and dataset."""
+
+    def __init__(self, output_dir: str | Path, dataset: str):
+        self.output_dir = Path(output_dir)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.relative = f"{PROMPTS_DIR}/{dataset}/run-{stamp}-{os.getpid()}.jsonl"
+        self.path = self.output_dir / self.relative
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "ab")  # noqa: SIM115 (closed in close())
+
+    def add(self, sample: str, dataset: str, messages: list[dict[str, str]],
+            prompt_ids: list[int]) -> int:
+        """Append one prompt; returns its byte offset."""
+        offset = self._fh.tell()
+        line = json.dumps({"id": sample, "dataset": dataset, "messages": messages,
+                           "prompt_ids": prompt_ids}, separators=(",", ":"),
+                          ensure_ascii=False)
+        self._fh.write(line.encode("utf-8") + b"\n")
+        return offset
+
+    def flush(self) -> None:
+        """Flush and fsync: a worker on another host may read these bytes next."""
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self.flush()
+        self._fh.close()
+
+
+def read_prompt(output_dir: str | Path, job: Job) -> Prompt:
+    path = Path(output_dir) / job.prompt_file
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(job.offset)
+            data = json.loads(fh.readline())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"cannot read prompt {job.sample!r} at {path}:{job.offset}: {exc}") from exc
+    if data.get("id") != job.sample:
+        raise BadInput(f"prompt store {path} at offset {job.offset} holds {data.get('id')!r}, "
+                       f"not {job.sample!r}")
+    return Prompt(job.sample, job.dataset, data["messages"], data["prompt_ids"])

@@ -1,0 +1,56 @@
+"""Every Redis key the pipeline uses, in one place.
+
+All keys live under one prefix so ``datagen reset`` can remove a run's state
+without touching Celery's own keys. None of them expires: the ledger is the
+run's state and is rebuilt from the records on disk if Redis loses it.
+Dataset names are validated by the reader (``[A-Za-z0-9][A-Za-z0-9_.-]*``),
+so they are safe inside key names.
+"""
+
+PREFIX = "dg:"
+
+# SET of dataset names this run knows.
+DATASETS = PREFIX + "datasets"
+# HASH dataset -> budget in tokens (live: `datagen budget` changes it).
+BUDGETS = PREFIX + "budgets"
+# STRING: the budget measure in force ("completion" or "total").
+BUDGET_MEASURE = PREFIX + "budget_measure"
+# HASH worker id -> JSON {host, pid, queues, started}; liveness is WORKER_ALIVE.
+WORKERS = PREFIX + "workers"
+
+
+def worker_alive(worker_id: str) -> str:
+    """STRING with a TTL of a few leases, refreshed by the worker's heartbeat."""
+    return f"{PREFIX}alive:{worker_id}"
+
+
+def dataset_key(dataset: str, part: str) -> str:
+    return f"{PREFIX}ds:{dataset}:{part}"
+
+
+# Per-dataset parts, used as dataset_key(name, PART):
+# HASH sample id -> "rid tokens" of the committed record (the first commit wins).
+DONE = "done"
+# HASH counters: tokens (budget measure), prompt_tokens, completion_tokens,
+#   samples, truncated, dead, duplicates, discarded_tokens, revoked, refused.
+STATS = "stats"
+# HASH sample id -> JSON task payload of enqueued samples not yet done
+# (lets a sweep re-enqueue what a crash lost).
+PENDING = "pending"
+# HASH rid -> JSON {sample, worker, start, max_new_tokens, progress} of requests in flight.
+INFLIGHT = "inflight"
+# STRING: why the dataset is closed ("budget", "max_samples", "operator"); absent = open.
+CLOSED = "closed"
+# HASH sample id -> JSON {reason, time} of samples that will not be retried.
+DEAD = "dead"
+# LIST of completed response lengths (newest first, capped): the length model.
+LENGTHS = "lengths"
+# STRING int: bumped on every reopen; task messages are stamped "<dataset>#<epoch>" so a
+# stamped revoke of a closed epoch never hits tasks enqueued after a reopen.
+EPOCH = "epoch"
+# STRING JSON: the length model admission uses (see ledger.length_model).
+MODEL = "model"
+# ZSET time -> event log of budget decisions (close/reopen), for status.
+EVENTS = "events"
+
+LENGTHS_KEPT = 4096

@@ -1,0 +1,97 @@
+"""Rebuilding the ledger from the records on disk, which are the truth.
+
+Used on restart (the producer does it for datasets Redis knows nothing of) and
+after Redis lost its data (``datagen recover``). Records written by an earlier
+version are adopted when their token count is known; the rest are reported and
+their samples regenerated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from datagen import keys
+from datagen.ledger import Ledger
+from datagen.records import canonical, counted_tokens, is_current, iter_records, records_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rebuilt:
+    dataset: str
+    samples: int = 0
+    tokens: int = 0
+    old_format: int = 0
+    unknown_tokens: int = 0
+    duplicates: int = 0
+    problems: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def line(self, budget: int) -> str:
+        text = f"{self.dataset}: {self.samples} records, {self.tokens:,} tokens"
+        if self.old_format:
+            text += (f"; {self.old_format} in an older format ({self.unknown_tokens} without "
+                     "token counts, not counted, will be regenerated)")
+        if self.problems:
+            text += f"; {len(self.problems)} unreadable lines"
+        if self.tokens >= budget:
+            text += f" >= budget {budget:,}, closed"
+        return text
+
+
+def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
+    """Replace the dataset's ledger state with what its records on disk say."""
+    out = Rebuilt(dataset)
+    chosen, problems, out.duplicates = canonical(
+        iter_records(records_dir(ledger.settings.output_dir, dataset)))
+    out.problems = [str(p) for p in problems]
+    done: dict[str, str] = {}
+    stats = {"tokens": 0, "prompt_tokens": 0, "completion_tokens": 0, "samples": 0,
+             "truncated": 0}
+    lengths: list[int] = []
+    for sid, record in chosen.items():
+        if not is_current(record):
+            out.old_format += 1
+        counted = counted_tokens(record, ledger.settings.budget_counts)
+        if counted is None:
+            out.unknown_tokens += 1
+            continue
+        completion = int(record.get("completion_tokens") or len(record.get("output_ids", [])))
+        done[sid] = f"{record.get('rid', 'adopted')} {counted}"
+        stats["tokens"] += counted
+        stats["prompt_tokens"] += int(record.get("prompt_tokens") or 0)
+        stats["completion_tokens"] += completion
+        stats["samples"] += 1
+        stats["truncated"] += int(bool(record.get("truncated")))
+        lengths.append(completion)
+    _store(ledger, dataset, done, stats, lengths)
+    out.samples, out.tokens = stats["samples"], stats["tokens"]
+    out.closed = out.tokens >= ledger.budget(dataset)
+    if out.closed:
+        ledger.close(dataset, "budget")
+    return out
+
+
+def _store(ledger: Ledger, dataset: str, done: dict[str, str], stats: dict[str, int],
+           lengths: list[int]) -> None:
+    r = ledger.r
+    k = ledger.k
+    with r.pipeline() as pipe:
+        for part in (keys.DONE, keys.STATS, keys.LENGTHS, keys.MODEL, keys.CLOSED):
+            pipe.delete(k(dataset, part))
+        if done:
+            pipe.hset(k(dataset, keys.DONE), mapping=done)
+        pipe.hset(k(dataset, keys.STATS), mapping=stats)
+        if lengths:
+            pipe.lpush(k(dataset, keys.LENGTHS), *lengths[-keys.LENGTHS_KEPT:])
+        pipe.sadd(keys.DATASETS, dataset)
+        pipe.execute()
+    ledger.refresh_model(dataset)
+
+
+def needs_rebuild(ledger: Ledger, dataset: str) -> bool:
+    """Redis knows nothing of a dataset that has records on disk."""
+    has_records = any(records_dir(ledger.settings.output_dir, dataset).glob("*.jsonl"))
+    return has_records and not ledger.r.exists(ledger.k(dataset, keys.STATS))

@@ -1,0 +1,116 @@
+"""Where every dataset stands: one table (or JSON) read from the ledger."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from datagen.ledger import Ledger
+
+BAR_WIDTH = 20
+
+
+@dataclass(frozen=True)
+class Row:
+    dataset: str
+    state: str
+    budget: int
+    tokens: int
+    percent: float
+    samples: int
+    queued: int
+    in_flight: int
+    dead: int
+    revoked: int
+    truncated: int
+    tokens_per_s: float | None
+    eta_s: float | None
+
+
+def state_of(snap: dict[str, Any]) -> str:
+    closed = snap["closed"]
+    if closed == "budget":
+        return "closed at budget"
+    if closed:
+        return f"closed ({closed})"
+    if snap["in_flight"]:
+        return "running"
+    if snap["pending"]:
+        return "queued"
+    if snap["stats"].get("samples"):
+        return "done"
+    return "idle"
+
+
+def rows(ledger: Ledger, previous: dict[str, tuple[float, int]] | None = None) -> list[Row]:
+    """One row per dataset; ``previous`` (time, tokens) per dataset gives the rate."""
+    out = []
+    now = time.monotonic()
+    for name in ledger.datasets():
+        snap = ledger.snapshot(name)
+        rate = None
+        if previous and name in previous:
+            t0, tok0 = previous[name]
+            if now > t0:
+                rate = (snap["tokens"] - tok0) / (now - t0)
+        remaining = max(0, snap["budget"] - snap["tokens"])
+        eta = remaining / rate if rate and rate > 0 and not snap["closed"] else None
+        stats = snap["stats"]
+        out.append(Row(name, state_of(snap), snap["budget"], snap["tokens"],
+                       100.0 * snap["tokens"] / snap["budget"] if snap["budget"] else 0.0,
+                       int(stats.get("samples", 0)), snap["pending"], snap["in_flight"],
+                       snap["dead"], int(stats.get("revoked", 0)),
+                       int(stats.get("truncated", 0)), rate, eta))
+    return out
+
+
+def as_json(table: Sequence[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in table]
+
+
+def render(table: Sequence[Row], bars: bool = False) -> str:
+    head = (f"{'dataset':<14} {'state':<17} {'tokens':>11} {'budget':>11} {'%':>6} "
+            f"{'samples':>7} {'queued':>6} {'flight':>6} {'dead':>4} {'revoked':>7} "
+            f"{'tok/s':>7} {'eta':>6}")
+    lines = [head, "-" * len(head)]
+    for r in table:
+        lines.append(
+            f"{r.dataset:<14} {r.state:<17} {r.tokens:>11,} {r.budget:>11,} {r.percent:>5.1f}% "
+            f"{r.samples:>7} {r.queued:>6} {r.in_flight:>6} {r.dead:>4} {r.revoked:>7} "
+            f"{_num(r.tokens_per_s):>7} {_eta(r.eta_s):>6}")
+        if bars:
+            lines.append(f"{'':<14} {_bar(r.percent)}")
+    lines.append("-" * len(head))
+    lines.append(
+        f"{'total':<14} {'':<17} {sum(r.tokens for r in table):>11,} "
+        f"{sum(r.budget for r in table):>11,} {'':>6} {sum(r.samples for r in table):>7} "
+        f"{sum(r.queued for r in table):>6} {sum(r.in_flight for r in table):>6} "
+        f"{sum(r.dead for r in table):>4} {sum(r.revoked for r in table):>7}")
+    return "\n".join(lines)
+
+
+def finished(table: Sequence[Row]) -> bool:
+    """Nothing left to do: every dataset is closed, or has nothing queued or in flight."""
+    return all(r.state.startswith("closed") and r.in_flight == 0
+               or (r.queued == 0 and r.in_flight == 0) for r in table)
+
+
+def _bar(percent: float) -> str:
+    filled = min(BAR_WIDTH, int(BAR_WIDTH * percent / 100))
+    return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + f"] {percent:5.1f}%"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"

@@ -1,0 +1,277 @@
+"""Chat-template tokenization, and a tiny offline tokenizer for tests and the demo.
+
+`ChatEncoder` wraps any Hugging Face tokenizer folder (the target model's, or the tiny one) and
+turns normalised conversations into prompt token ids the way SGLang's `/generate` wants them: the
+chat template rendered with the generation prompt, then tokenized without adding special tokens.
+
+`build_tiny_tokenizer` writes a small byte-level BPE tokenizer with a Llama-3/Qwen-style chat
+template, trained on text generated in code, so tests and `make demo` never touch the network.
+`read_tokenizer_info` reads its (or any saved tokenizer's) eos id and vocabulary size from the JSON
+files alone, for callers that must not import transformers.
+
+transformers is imported lazily: it costs about a second and a few hundred MB, and the producer
+only needs it once it really tokenizes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|begin|>"
+EOS_TOKEN = "<|eot|>"
+HEADER_START = "<|header_start|>"
+HEADER_END = "<|header_end|>"
+# Qwen3 keeps its think tags as ordinary added tokens (not special), so decoding with
+# skip_special_tokens keeps them; the tiny tokenizer does the same.
+THINK_TOKENS = ("<think>", "</think>")
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, HEADER_START, HEADER_END)
+
+# Raw string: Jinja itself turns the '\n' escapes inside its string literals into newlines.
+CHAT_TEMPLATE = r"""{{- bos_token -}}
+{%- for message in messages -%}
+{%- if message['role'] not in ['system', 'user', 'assistant'] -%}
+{{- raise_exception("unknown role '" ~ message['role'] ~ "' (expected system/user/assistant)") -}}
+{%- endif -%}
+{%- if message['content'] is not string -%}
+{{- raise_exception("message " ~ loop.index ~ " has no string content") -}}
+{%- endif -%}
+{{- '<|header_start|>' ~ message['role'] ~ '<|header_end|>\n\n' ~ message['content'] ~ '<|eot|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|header_start|>assistant<|header_end|>\n\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\n\n</think>\n\n' -}}
+{%- endif -%}
+{%- endif -%}"""
+
+_CORPUS_SEED = 20240917
+_CORPUS_SENTENCES = 12_000
+
+_WORDS = """
+the of and to in a is that for it as was with be by on not he this are or his from at which
+but have an they you were her she there been one all we their has would when if so no will
+more can about said out up them some could what into than its time only other new people
+two may first then do any like my now over such our man me even most made after also did many
+before must through back years where much your way well down should because each just those
+how too little state good very make world still own see men work long get here between both
+life being under never day same another know while last might us great old year off come
+since against go came right used take three house use during without again place around
+however home small found thought went say part once general high upon school every does
+system user assistant number data model token tokens prompt response answer question problem
+value result function method class return string list file line error test table query
+server request
+queue worker budget dataset sample length memory speed output input batch step order level
+water light city country history story music river mountain market price energy science
+simple early clear strong free short large young human local social public human open
+explain describe compare write solve compute find show give check list choose build design
+because although therefore however meanwhile moreover instead finally usually often always
+""".split()
+
+_CODE_SNIPPETS = (
+    "def main():\n    return 0\n",
+    "for i in range(10):\n    total += i * i\n",
+    "if x is None:\n    raise ValueError('missing x')\n",
+    "import json\nwith open(path) as fh:\n    data = json.load(fh)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;\n",
+    "const items = list.filter((x) => x > 0).map((x) => x * 2);\n",
+)
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What a caller needs to know about a tokenizer without loading transformers."""
+
+    eos_token: str
+    eos_token_id: int
+    vocab_size: int  # highest token id + 1, added tokens included
+
+
+def _syllable_word(rng: random.Random) -> str:
+    # Made-up words give the BPE merges below the word level something to learn, so text
+    # outside the built-in word list still tokenizes into sensible pieces.
+    consonants, vowels = "bcdfghjklmnprstvwz", "aeiou"
+    return "".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(rng.randint(1, 4)))
+
+
+def _sentence(rng: random.Random) -> str:
+    words = [
+        _syllable_word(rng) if rng.random() < 0.15 else rng.choice(_WORDS)
+        for _ in range(rng.randint(4, 18))
+    ]
+    if rng.random() < 0.2:
+        words.insert(rng.randrange(len(words)), str(rng.randint(0, 100_000)))
+    text = " ".join(words)
+    return text[0].upper() + text[1:] + rng.choice(".....?!:;")
+
+
+def _training_corpus(seed: int = _CORPUS_SEED) -> Iterator[str]:
+    rng = random.Random(seed)
+    for index in range(_CORPUS_SENTENCES):
+        if index % 50 == 0:
+            yield rng.choice(_CODE_SNIPPETS)
+        yield " ".join(_sentence(rng) for _ in range(rng.randint(1, 4)))
+
+
+def _train_bpe(vocab_size: int) -> Any:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(THINK_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in THINK_TOKENS])
+    return tokenizer
+
+
+def build_tiny_tokenizer(out_dir: Path, vocab_size: int = 4096) -> Path:
+    """Train and save a small byte-level BPE chat tokenizer into out_dir; fully offline.
+
+    The same vocab_size always gives byte-identical files. Token ids: 0 pad, 1 bos, 2 eos
+    (`<|eot|>`, which ends every turn), 3-4 role header markers; the think tags come last.
+    """
+    if vocab_size < 300:
+        # 256 byte symbols plus the markers must fit, or BPE cannot encode arbitrary text.
+        raise ValueError(f"vocab_size must be at least 300, got {vocab_size}")
+    from transformers import PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe(vocab_size),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32_768,
+    )
+    wrapped.save_pretrained(out_dir)
+    logger.info("built tiny tokenizer in %s (vocab %d)", out_dir, len(wrapped))
+    return out_dir
+
+
+def read_tokenizer_info(tokenizer_path: str | Path) -> TokenizerInfo:
+    """Read eos token, its id and the vocabulary size from a saved fast tokenizer's JSON files."""
+    path = Path(tokenizer_path)
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    eos = config.get("eos_token")
+    if isinstance(eos, Mapping):  # older files store AddedToken dicts
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        raise ValueError(f"{path}/tokenizer_config.json names no eos_token")
+    spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = dict(spec["model"]["vocab"])
+    ids.update({added["content"]: added["id"] for added in spec.get("added_tokens", [])})
+    if eos not in ids:
+        raise ValueError(f"{path}: eos token {eos!r} is not in the vocabulary")
+    return TokenizerInfo(eos_token=eos, eos_token_id=ids[eos], vocab_size=max(ids.values()) + 1)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused a conversation; index is its position in a batch, if any."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class ChatEncoder:
+    """Renders conversations with a tokenizer's chat template and returns prompt token ids.
+
+    template_kwargs go to the template on every call (e.g. `{"enable_thinking": False}`).
+    Template failures (unknown role, missing content) raise ChatTemplateError, a ValueError whose
+    `.index` names the failing conversation of a batch so the caller can drop it and retry.
+    """
+
+    def __init__(
+        self, tokenizer_path: str | Path, template_kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise ValueError(f"tokenizer at {tokenizer_path} has no chat template")
+        if self._tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer at {tokenizer_path} has no eos token")
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
+        self.eos_token_id: int = int(self._tokenizer.eos_token_id)
+        # len() counts added tokens too, which is what an embedding table must cover.
+        self.vocab_size: int = len(self._tokenizer)
+
+    def encode(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of one conversation followed by the assistant generation prompt."""
+        try:
+            ids = self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **self.template_kwargs,
+            )
+        except Exception as exc:  # jinja2 errors have no common base worth naming here
+            raise _template_error(exc) from exc
+        return list(ids)
+
+    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt text the template produces for one conversation."""
+        return self.render_batch([messages])[0]
+
+    def render_batch(self, conversations: Sequence[Sequence[Mapping[str, str]]]) -> list[str]:
+        chats = [[dict(m) for m in conversation] for conversation in conversations]
+        if not chats:
+            return []
+        try:
+            return self._render(chats)
+        except Exception as batch_exc:
+            # One bad conversation fails the whole batch; find it so the caller can drop it.
+            for index, chat in enumerate(chats):
+                try:
+                    self._render([chat])
+                except Exception as exc:
+                    raise _template_error(exc, index) from exc
+            raise _template_error(batch_exc) from batch_exc
+
+    def encode_batch(self, conversations: Sequence[Sequence[Mapping[str, str]]]) -> list[list[int]]:
+        """Same ids as `encode` on each conversation, with one batched tokenizer call."""
+        texts = self.render_batch(conversations)
+        if not texts:
+            return []
+        # The template already wrote bos and the markers; adding special tokens would double them.
+        encoded = self._tokenizer(
+            texts,
+            add_special_tokens=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return encoded["input_ids"]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _render(self, chats: list[list[dict[str, str]]]) -> list[str]:
+        for chat in chats:
+            if not chat:
+                raise ValueError("empty conversation")
+        return self._tokenizer.apply_chat_template(
+            chats, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+        )
+
+
+def _template_error(exc: Exception, index: int | None = None) -> ChatTemplateError:
+    where = f"conversation {index}: " if index is not None else ""
+    return ChatTemplateError(f"{where}chat template failed: {exc}", index)

@@ -1,0 +1,227 @@
+"""The producer: read datasets, tokenize with the chat template, enqueue what is missing.
+
+It enqueues by task name (``datagen.guard.enqueue`` → ``send_task``) and never
+imports worker code. Running it again enqueues only samples that are neither
+done nor already waiting in a queue.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from celery import Celery
+
+from config.settings import Settings
+from datagen.client import SGLangClient
+from datagen.errors import ServerUnavailable
+from datagen.guard import enqueue
+from datagen.job import Job, PromptStore
+from datagen.ledger import Ledger
+from datagen.recovery import needs_rebuild, rebuild_dataset
+from datagen.tokenizer import ChatEncoder
+from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
+
+log = logging.getLogger(__name__)
+
+BATCH = 256
+REPORTS_DIR = "reports"
+
+
+@dataclass
+class DatasetReport:
+    dataset: str
+    read: int = 0
+    enqueued: int = 0
+    already_done: int = 0
+    already_queued: int = 0
+    over_cap: int = 0
+    short: int = 0
+    long: int = 0
+    clamped: int = 0
+    skipped: str = ""  # why the whole dataset was skipped
+    rebuilt: str = ""  # what was adopted from records on disk
+    bad: list[str] = field(default_factory=list)
+
+    @property
+    def bad_count(self) -> int:
+        return len(self.bad)
+
+
+@dataclass(frozen=True)
+class Plan:
+    queue: str
+    max_new_tokens: int
+
+
+def classify(settings: Settings, prompt_tokens: int, context_length: int | None) -> Plan | str:
+    """The queue and max_new_tokens for a prompt, or the reason it cannot run."""
+    queue = "short" if prompt_tokens <= settings.long_threshold_tokens else "long"
+    _, max_new = settings.queue_limits(queue)
+    if context_length is not None:
+        room = context_length - prompt_tokens
+        if room < 1:
+            return (f"prompt has {prompt_tokens} tokens; the context length {context_length} "
+                    "leaves no room for a response")
+        max_new = min(max_new, room)
+    return Plan(queue, max_new)
+
+
+def context_length(settings: Settings) -> int | None:
+    if settings.context_length:
+        return settings.context_length
+    client = SGLangClient(settings.server_url, settings.api_key, 5.0, 30.0)
+    try:
+        info = client.server_info()
+    except ServerUnavailable as exc:
+        log.warning("context length unknown (%s); prompts are not clamped", exc)
+        return None
+    value = info.get("context_length")
+    return int(value) if value else None
+
+
+class Producer:
+    def __init__(self, settings: Settings, app: Celery, ledger: Ledger):
+        self.settings = settings
+        self.app = app
+        self.ledger = ledger
+        self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs)
+        self.context_length = context_length(settings)
+
+    def run(self) -> list[DatasetReport]:
+        datasets = discover_datasets(Path(self.settings.data_dir), self.settings.partition)
+        self.ledger.register(name for name, _ in datasets)
+        return [self.produce(name, path) for name, path in datasets]
+
+    def produce(self, dataset: str, path: Path) -> DatasetReport:
+        report = DatasetReport(dataset)
+        if needs_rebuild(self.ledger, dataset):
+            rebuilt = rebuild_dataset(self.ledger, dataset)
+            report.rebuilt = rebuilt.line(self.ledger.budget(dataset))
+            log.info("rebuilt from records on disk: %s", report.rebuilt)
+        reason = self.skip_reason(dataset)
+        if reason:
+            report.skipped = reason
+            log.info("%s", reason)
+            return report
+        done = self.ledger.done_ids(dataset)
+        queued = set(self.ledger.pending(dataset))
+        cap = self._room(dataset, len(done))
+        store = PromptStore(self.settings.output_dir, dataset)
+        epoch = self.ledger.epoch(dataset)
+        started = time.monotonic()
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for batch in _batches(read_dataset(dataset, path), BATCH):
+                    fresh = self._filter(batch, report, done, queued)
+                    jobs = self._prepare(fresh, report, store, epoch, cap)
+                    store.flush()
+                    self._send(dataset, jobs, producer)
+                    report.enqueued += len(jobs)
+                    if cap is not None:
+                        cap -= len(jobs)
+        finally:
+            store.close()
+        self._write_bad_report(report)
+        log.info("%s: %d enqueued (%d short, %d long) in %.1fs; %d done before, %d already "
+                 "queued, %d bad", dataset, report.enqueued, report.short, report.long,
+                 time.monotonic() - started, report.already_done, report.already_queued,
+                 report.bad_count)
+        return report
+
+    def skip_reason(self, dataset: str) -> str:
+        snap = self.ledger.snapshot(dataset)
+        if snap["tokens"] >= snap["budget"]:
+            return (f"{dataset}: {snap['tokens']:,} tokens >= budget {snap['budget']:,}, "
+                    "skipping")
+        if snap["closed"]:
+            return f"{dataset}: closed ({snap['closed']}), skipping"
+        return ""
+
+    def _room(self, dataset: str, done: int) -> int | None:
+        if self.settings.max_samples is None:
+            return None
+        return max(0, self.settings.max_samples - done)
+
+    def _filter(self, batch: list[Prompt | BadRecord], report: DatasetReport,
+                done: set[str], queued: set[str]) -> list[Prompt]:
+        fresh = []
+        for item in batch:
+            if isinstance(item, BadRecord):
+                report.bad.append(str(item))
+                continue
+            report.read += 1
+            if item.sample_id in done:
+                report.already_done += 1
+            elif item.sample_id in queued:
+                report.already_queued += 1
+            else:
+                fresh.append(item)
+        return fresh
+
+    def _prepare(self, prompts: list[Prompt], report: DatasetReport, store: PromptStore,
+                 epoch: int, cap: int | None) -> list[Job]:
+        if cap is not None:
+            report.over_cap += max(0, len(prompts) - cap)
+            prompts = prompts[:cap]
+        if not prompts:
+            return []
+        ids_list = self._encode(prompts, report)
+        jobs = []
+        for prompt, ids in zip(prompts, ids_list, strict=True):
+            if ids is None:
+                continue
+            plan = classify(self.settings, len(ids), self.context_length)
+            if isinstance(plan, str):
+                report.bad.append(f"{prompt.source}: {plan}")
+                continue
+            if plan.max_new_tokens < self.settings.queue_limits(plan.queue)[1]:
+                report.clamped += 1
+            setattr(report, plan.queue, getattr(report, plan.queue) + 1)
+            offset = store.add(prompt.sample_id, prompt.dataset, list(prompt.messages), ids)
+            jobs.append(Job(prompt.dataset, prompt.sample_id, plan.queue, store.relative,
+                            offset, len(ids), plan.max_new_tokens, epoch))
+        return jobs
+
+    def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[list[int] | None]:
+        try:
+            return list(self.encoder.encode_batch([p.messages for p in prompts]))
+        except ValueError:
+            out: list[list[int] | None] = []
+            for p in prompts:  # find the one the template refuses
+                try:
+                    out.append(self.encoder.encode(p.messages))
+                except ValueError as exc:
+                    report.bad.append(f"{p.source}: chat template failed: {exc}")
+                    out.append(None)
+            return out
+
+    def _send(self, dataset: str, jobs: list[Job], producer: object) -> None:
+        # Pending first: a crash between the two leaves a pending entry that the
+        # next producer run or sweep re-enqueues, never a task the ledger does not know.
+        self.ledger.add_pending(dataset, {j.sample: json.dumps(j.payload()) for j in jobs})
+        for job in jobs:
+            enqueue(self.app, job, producer=producer)
+
+    def _write_bad_report(self, report: DatasetReport) -> None:
+        if not report.bad:
+            return
+        path = Path(self.settings.output_dir) / REPORTS_DIR / f"{report.dataset}.bad.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(report.bad) + "\n", encoding="utf-8")
+
+
+def _batches(items: Iterable[Prompt | BadRecord], size: int
+             ) -> Iterator[list[Prompt | BadRecord]]:
+    batch: list[Prompt | BadRecord] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,354 @@
+"""Read prompt datasets from a partition folder, one normalised prompt at a time.
+
+A partition holds one entry per dataset: a folder of `*.jsonl` files (read recursively, in sorted
+path order) or a single `<name>.jsonl` file. Each line is one JSON object in one of four shapes:
+
+    OpenAI     {"messages": [{"role": "user", "content": "..."}], "id": ...}
+    ShareGPT   {"conversations": [{"from": "human", "value": "..."}]}
+    SpecForge  {"id": ..., "conversations": [{"role": "user", "content": "..."}]}
+    plain      {"prompt": "...", "system": "..."}
+
+A trailing assistant turn is dropped: it is the answer the target model regenerates. Every line
+that cannot become a prompt is reported as a `BadRecord` naming its file and line, and reading goes
+on with the next line. Files are read in binary and decoded line by line, so memory does not grow
+with the text (only an index of 64-bit digests, ~130 bytes a record, to catch duplicates); one
+line with bad bytes costs one record, not the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+logger = logging.getLogger(__name__)
+
+# Dataset names become path components and Redis key parts downstream, so nothing that could
+# climb out of a folder ("..", "/") or hide a file (leading ".") may pass.
+# Always fullmatch: with match(), "$" would also accept a name ending in a newline.
+DATASET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+SAFE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+ID_KEYS = ("id", "sample_id", "uuid")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
+                  "assistant": "assistant"}
+# A line longer than this is reported and skipped without being held in memory; a real prompt
+# of this size would be far beyond any model's context anyway.
+MAX_LINE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt ready for the chat template.
+
+    sample_id is stable across runs: the record's own id when it has one, else a digest of the
+    dataset name and the messages. A record's own id may hold any characters: treat it as data,
+    never as a path or file name unless `is_safe_id` says so (else use a digest of it).
+    """
+
+    dataset: str
+    sample_id: str
+    messages: tuple[dict[str, str], ...]
+    source: str  # "path:line", for error messages
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    """A line that could not become a prompt, and why."""
+
+    dataset: str
+    path: str
+    line: int  # 1-based
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def is_safe_id(sample_id: str) -> bool:
+    """Whether an id may be used as-is inside a file name or a Redis key."""
+    return SAFE_ID_RE.fullmatch(sample_id) is not None
+
+
+class _Invalid(Exception):
+    """Raised while parsing one line; its message becomes the BadRecord reason."""
+
+
+def discover_datasets(
+    partition_dir: Path, selection: str | Sequence[str] = "all"
+) -> list[tuple[str, Path]]:
+    """(name, path) of the selected datasets in a partition: sorted by name for "all", else in
+    the order asked. Raises ValueError for an unsafe or unknown name, naming the ones available."""
+    available = _scan_partition(Path(partition_dir))
+    names = _parse_selection(selection)
+    if names is None:
+        return sorted(available.items())
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise ValueError(
+            f"unknown dataset(s) {', '.join(unknown)} in {partition_dir}; "
+            f"available: {', '.join(sorted(available)) or '(none)'}"
+        )
+    return [(name, available[name]) for name in names]
+
+
+def _check_name(name: str, where: str) -> None:
+    if not DATASET_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid dataset name {name!r} {where}: names must match {DATASET_NAME_RE.pattern}"
+        )
+
+
+def _scan_partition(partition_dir: Path) -> dict[str, Path]:
+    if not partition_dir.is_dir():
+        raise ValueError(f"partition folder {partition_dir} does not exist or is not a folder")
+    found: dict[str, Path] = {}
+    for entry in sorted(partition_dir.iterdir()):
+        if entry.name.startswith((".", "_")):
+            continue  # editor, VCS and metadata files
+        if entry.is_dir():
+            name = entry.name
+            if not _jsonl_files(entry):
+                logger.warning("skipping %s: no .jsonl files in it", entry)
+                continue
+        elif entry.suffix == ".jsonl":
+            name = entry.stem
+        else:
+            continue
+        _check_name(name, f"in partition {partition_dir}")
+        if name in found:
+            raise ValueError(f"dataset {name!r} is both {found[name]} and {entry}")
+        found[name] = entry
+    return found
+
+
+def _parse_selection(selection: str | Sequence[str]) -> list[str] | None:
+    """Requested names in order without repeats, or None for all."""
+    raw = selection.split(",") if isinstance(selection, str) else list(selection)
+    names = list(dict.fromkeys(name.strip() for name in raw if name.strip()))
+    if not names:
+        raise ValueError(f"empty dataset selection {selection!r}; use 'all' or a list of names")
+    if "all" in names:
+        return None
+    for name in names:
+        _check_name(name, "in the dataset selection")
+    return names
+
+
+def _jsonl_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = (
+        f for f in path.rglob("*.jsonl")
+        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
+    )
+    return sorted(files, key=lambda f: f.relative_to(path).as_posix())
+
+
+def read_dataset(name: str, path: Path) -> Iterator[Prompt | BadRecord]:
+    """Yield every line of a dataset as a Prompt or a BadRecord, in file and line order.
+
+    A repeated sample id or repeated messages within the dataset are reported as duplicates of
+    the first occurrence, which wins.
+    """
+    _check_name(name, f"for {path}")
+    seen = _SeenIndex()
+    for file in _jsonl_files(Path(path)):
+        for line_no, raw in _numbered_lines(file):
+            yield _parse_line(name, file, line_no, raw, seen)
+
+
+def _numbered_lines(file: Path) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based line number, bytes) for each non-blank line; None stands for an oversized line."""
+    with file.open("rb") as fh:
+        line_no = 0
+        while True:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            line_no += 1
+            if len(raw) > MAX_LINE_BYTES:
+                _skip_rest_of_line(fh, raw)
+                yield line_no, None
+            elif raw.strip():
+                yield line_no, raw[3:] if line_no == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
+
+
+def _skip_rest_of_line(fh: BinaryIO, chunk: bytes) -> None:
+    while chunk and not chunk.endswith(b"\n"):
+        chunk = fh.readline(MAX_LINE_BYTES)
+
+
+class _SeenIndex:
+    """First location of every record id and message digest seen in one dataset.
+
+    Keys and locations are packed into plain ints (~130 bytes a record), so a million-line
+    dataset needs about 130 MB here and nothing else grows with the file.
+    """
+
+    def __init__(self) -> None:
+        self._files: list[str] = []
+        self._by_id: dict[int, int] = {}
+        self._by_content: dict[int, int] = {}
+
+    def first_of(self, own_id: str | None, canonical: bytes, file: str, line: int) -> str | None:
+        """The earlier "path:line (same ...)" for a duplicate; else record this one and None.
+
+        Content-derived ids are a function of the messages, so the content index covers them.
+        """
+        content_key = _digest64(canonical)
+        id_key = None if own_id is None else _digest64(own_id.encode("utf-8"))
+        for key, index, what in ((content_key, self._by_content, "messages"),
+                                 (id_key, self._by_id, "id")):
+            if key is not None and key in index:
+                return f"{self._files[index[key] >> 32]}:{index[key] & 0xFFFFFFFF} (same {what})"
+        if not self._files or self._files[-1] != file:
+            self._files.append(file)
+        here = (len(self._files) - 1) << 32 | line
+        self._by_content[content_key] = here
+        if id_key is not None:
+            self._by_id[id_key] = here
+        return None
+
+
+def _digest64(data: bytes) -> int:
+    # 64 bits: a chance collision among a million records is about 3 in 100 million.
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def _parse_line(
+    dataset: str, file: Path, line_no: int, raw: bytes | None, seen: _SeenIndex
+) -> Prompt | BadRecord:
+    try:
+        record = _load_object(raw)
+        messages = _messages(record)
+        canonical = _canonical(messages)
+        own_id = _record_id(record)
+    except _Invalid as exc:
+        return BadRecord(dataset, str(file), line_no, str(exc))
+    first = seen.first_of(own_id, canonical, str(file), line_no)
+    if first is not None:
+        return BadRecord(dataset, str(file), line_no, f"duplicate of {first}")
+    sample_id = own_id or _content_id(dataset, canonical)
+    return Prompt(dataset, sample_id, messages, f"{file}:{line_no}")
+
+
+def _load_object(raw: bytes | None) -> dict[str, Any]:
+    if raw is None:
+        raise _Invalid(f"line longer than {MAX_LINE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Invalid(f"not valid UTF-8 at byte {exc.start} of the line") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _Invalid(f"invalid JSON: {exc.msg} (col {exc.colno})") from None
+    except RecursionError:
+        raise _Invalid("invalid JSON: nested too deeply") from None
+    if not isinstance(record, dict):
+        raise _Invalid(f"expected a JSON object, got {_json_type(record)}")
+    return record
+
+
+def _messages(record: dict[str, Any]) -> tuple[dict[str, str], ...]:
+    if "messages" in record:
+        turns = _turns(record["messages"], "messages")
+    elif "conversations" in record:
+        turns = _turns(record["conversations"], "conversations")
+    elif "prompt" in record:
+        turns = _plain_turns(record)
+    else:
+        keys = ", ".join(sorted(record)) or "none"
+        raise _Invalid(
+            f"none of the known shapes: expected 'messages', 'conversations' or 'prompt' "
+            f"(keys: {keys})"
+        )
+    return _drop_trailing_answer(turns)
+
+
+def _turns(value: Any, field: str) -> list[dict[str, str]]:
+    if not isinstance(value, list):
+        raise _Invalid(f"'{field}' must be a list, got {_json_type(value)}")
+    if not value:
+        raise _Invalid(f"empty '{field}'")
+    return [_turn(turn, number) for number, turn in enumerate(value, start=1)]
+
+
+def _turn(turn: Any, number: int) -> dict[str, str]:
+    if not isinstance(turn, dict):
+        raise _Invalid(f"turn {number}: expected an object, got {_json_type(turn)}")
+    if "from" in turn:  # ShareGPT
+        role_key, content_key, roles = "from", "value", SHAREGPT_ROLES
+    else:
+        role_key, content_key, roles = "role", "content", {r: r for r in ROLES}
+    if role_key not in turn or content_key not in turn:
+        raise _Invalid(f"turn {number}: needs '{role_key}' and '{content_key}'")
+    role, content = turn[role_key], turn[content_key]
+    if not isinstance(role, str) or role not in roles:
+        raise _Invalid(
+            f"turn {number}: unknown role {role!r} (expected one of {', '.join(roles)})"
+        )
+    if not isinstance(content, str):
+        raise _Invalid(f"turn {number}: content must be a string, got {_json_type(content)}")
+    return {"role": roles[role], "content": content}
+
+
+def _plain_turns(record: dict[str, Any]) -> list[dict[str, str]]:
+    prompt, system = record["prompt"], record.get("system")
+    if not isinstance(prompt, str):
+        raise _Invalid(f"'prompt' must be a string, got {_json_type(prompt)}")
+    if system is not None and not isinstance(system, str):
+        raise _Invalid(f"'system' must be a string, got {_json_type(system)}")
+    turns = [{"role": "system", "content": system}] if system else []
+    return [*turns, {"role": "user", "content": prompt}]
+
+
+def _drop_trailing_answer(turns: list[dict[str, str]]) -> tuple[dict[str, str], ...]:
+    if turns[-1]["role"] == "assistant":
+        turns = turns[:-1]
+        if not turns:
+            raise _Invalid("empty after dropping the trailing assistant turn")
+    last = turns[-1]
+    if last["role"] != "user":
+        raise _Invalid(f"last turn is {last['role']!r}, expected 'user'")
+    if not last["content"].strip():
+        raise _Invalid("last user turn is empty")
+    return tuple(turns)
+
+
+def _record_id(record: dict[str, Any]) -> str | None:
+    for key in ID_KEYS:
+        value = record.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise _Invalid(f"'{key}' must be a string or an integer, got {_json_type(value)}")
+        text = str(value)
+        if not text.strip():
+            raise _Invalid(f"empty '{key}'")
+        return text
+    return None
+
+
+def _canonical(messages: tuple[dict[str, str], ...]) -> bytes:
+    text = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON escapes like "\ud800" decode to lone surrogates, which no tokenizer can take.
+        raise _Invalid("text holds a lone surrogate (a bad \\u escape)") from None
+
+
+def _content_id(dataset: str, canonical: bytes) -> str:
+    return hashlib.sha1(dataset.encode("utf-8") + b"\0" + canonical).hexdigest()[:16]
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")

@@ -1,0 +1,94 @@
+"""What a simulated request generates: a seeded length and seeded token ids.
+
+The output is a pure function of (seed, prompt ids, sampling_seed, the length-related sampling
+params), so sending the same request twice gives the same tokens and tests can compare the
+records a client wrote with the simulator's request log.
+"""
+
+import hashlib
+import json
+import math
+import random
+import zlib
+from array import array
+from dataclasses import dataclass
+
+from simulator.config import SimulatorConfig, parse_lengths
+
+_WORD = array("I").itemsize
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """The full output a request would produce if nothing stops it early."""
+
+    ids: list[int]
+    finish_reason: dict
+
+
+def plan_output(
+    config: SimulatorConfig,
+    input_ids: list[int],
+    max_new_tokens: int,
+    sampling_seed: int | None = None,
+    min_new_tokens: int = 0,
+    ignore_eos: bool = False,
+) -> OutputPlan:
+    digest = _request_digest(config.seed, input_ids, sampling_seed)
+    natural = _natural_length(config, random.Random(digest[:16]))
+    # SGLang masks EOS until min_new_tokens are out, so EOS comes at min_new_tokens + 1 at best.
+    natural = max(natural, min_new_tokens + 1)
+    id_rng = random.Random(digest[16:])
+    if ignore_eos or natural > max_new_tokens:
+        ids = _body_ids(id_rng, max_new_tokens, config)
+        return OutputPlan(ids, {"type": "length", "length": max_new_tokens})
+    # Stop on EOS: the EOS id is the last output id, as with skip_special_tokens only the text
+    # drops it.
+    ids = _body_ids(id_rng, natural - 1, config) + [config.eos_token_id]
+    return OutputPlan(ids, {"type": "stop", "matched": config.eos_token_id})
+
+
+def tokenize_text(text: str, config: SimulatorConfig) -> list[int]:
+    """One token per whitespace-separated word; good enough to make `text` requests work."""
+    return [_avoid_eos(zlib.crc32(word.encode()) % (config.vocab_size - 1), config)
+            for word in text.split()]
+
+
+def decode_text(ids: list[int], eos_token_id: int) -> str:
+    return " ".join(f"tok{i}" for i in ids if i != eos_token_id)
+
+
+def output_sha(ids: list[int]) -> str:
+    """sha256 of the ids as compact JSON (`[1,2,3]`): what the request log records."""
+    return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
+
+
+def _request_digest(seed: int, input_ids: list[int], sampling_seed: int | None) -> bytes:
+    h = hashlib.sha256(f"{seed}|{sampling_seed}|".encode())
+    h.update(array("q", input_ids).tobytes())
+    return h.digest()
+
+
+def _natural_length(config: SimulatorConfig, rng: random.Random) -> int:
+    mode, low, high = parse_lengths(config.lengths)
+    if mode == "fixed":
+        return low
+    if mode == "uniform":
+        return rng.randint(low, high)
+    # mu chosen so that the lognormal's mean (exp(mu + sigma^2 / 2)) is mean_output_tokens.
+    mu = math.log(config.mean_output_tokens) - config.sigma**2 / 2
+    return max(1, round(rng.lognormvariate(mu, config.sigma)))
+
+
+def _body_ids(rng: random.Random, count: int, config: SimulatorConfig) -> list[int]:
+    # One randbytes call per request instead of `count` randrange calls: plans are made on the
+    # HTTP threads while hundreds of requests arrive at once.
+    words = array("I")
+    words.frombytes(rng.randbytes(_WORD * count))
+    span = config.vocab_size - 1
+    eos = config.eos_token_id
+    return [v + (v >= eos) for v in (w % span for w in words)]
+
+
+def _avoid_eos(value: int, config: SimulatorConfig) -> int:
+    return value + (value >= config.eos_token_id)

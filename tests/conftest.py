@@ -1,0 +1,145 @@
+"""Shared fixtures: a real throwaway Redis, the tiny tokenizer, and a stack of real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from cli.stack import Process, child_env, start_simulator, start_worker, wait_for_workers
+from config.settings import Settings, load_settings
+from datagen.celery_app import make_app
+from datagen.ledger import Ledger
+from datagen.redis_server import RedisServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(workdir=tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied for this test (revokes and ledger are global state)."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from datagen.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tok")
+
+
+@pytest.fixture(scope="session")
+def encoder(tokenizer_dir: Path) -> Any:
+    from datagen.tokenizer import ChatEncoder
+
+    return ChatEncoder(tokenizer_dir)
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(row if isinstance(row, str) else json.dumps(row))
+            fh.write("\n")
+    return path
+
+
+@dataclass
+class Stack:
+    """Real processes on loopback for one test; stopped at teardown."""
+
+    tmp: Path
+    redis_url: str
+    tokenizer_dir: Path
+    encoder: Any
+    env: dict[str, str] = field(default_factory=dict)
+    procs: list[Process] = field(default_factory=list)
+    sim_url: str = ""
+    sim: Process | None = None
+
+    def start_simulator(self, *args: str, name: str = "simulator") -> str:
+        proc, url = start_simulator(self.tmp / "logs", [
+            "--vocab-size", str(self.encoder.vocab_size),
+            "--eos-token-id", str(self.encoder.eos_token_id), *args], name=name)
+        self.procs.append(proc)
+        if self.sim is None:
+            self.sim, self.sim_url = proc, url
+        return url
+
+    def configure(self, **settings: Any) -> Settings:
+        values = {"redis_url": self.redis_url, "server_url": self.sim_url,
+                  "output_dir": str(self.tmp / "out"),
+                  "tokenizer_path": str(self.tokenizer_dir), "lease_s": 3.0,
+                  "retry_backoff_s": 0.2, "read_timeout_s": 60.0, **settings}
+        self.env = {f"DATAGEN_{k.upper()}": _env_value(v) for k, v in values.items()}
+        return load_settings(None, env=self.env)
+
+    def worker(self, queue: str, name: str | None = None, **settings: Any) -> Process:
+        env = dict(self.env)
+        env.update({f"DATAGEN_{k.upper()}": _env_value(v) for k, v in settings.items()})
+        proc = start_worker(queue, child_env(env), self.tmp / "logs", name=name)
+        self.procs.append(proc)
+        return proc
+
+    def wait_workers(self, count: int, procs: list[Process] | None = None) -> None:
+        wait_for_workers(self.redis_url, count, procs=procs or self.procs)
+
+    def settings(self) -> Settings:
+        return load_settings(None, env=self.env)
+
+    def ledger(self) -> Ledger:
+        return Ledger.from_settings(self.settings())
+
+    def app(self) -> Any:
+        return make_app(self.settings())
+
+    def sim_log(self, url: str | None = None) -> list[dict[str, Any]]:
+        import requests
+
+        return requests.get(f"{url or self.sim_url}/_sim/log", timeout=10).json()
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def _env_value(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return json.dumps(value)
+    return str(value)
+
+
+@pytest.fixture
+def stack(tmp_path: Path, redis_url: str, tokenizer_dir: Path, encoder: Any) -> Iterator[Stack]:
+    s = Stack(tmp_path, redis_url, tokenizer_dir, encoder)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def wait_until(predicate: Any, timeout_s: float = 60.0, interval_s: float = 0.1,
+               what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -1,0 +1,72 @@
+"""The generation task on the `short` and `long` queues: a thin wrapper over datagen.generation."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from celery import signals
+from celery.exceptions import Ignore
+
+from datagen.celery_app import GENERATE_TASK, app
+from datagen.generation import Context, run_job
+from datagen.guard import enqueue, on_closed
+from datagen.job import Job
+from datagen.liveness import Heartbeat
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_context: Context | None = None
+_heartbeat: Heartbeat | None = None
+REQUEUE_PAUSE_S = 1.0
+
+
+def context() -> Context:
+    """The process's context, built once on first use (threads share it)."""
+    global _context
+    with _lock:
+        if _context is None:
+            _context = Context.create(app.conf.datagen_settings)
+        return _context
+
+
+def requeue(job: Job) -> None:
+    enqueue(app, job)
+
+
+@signals.worker_ready.connect
+def _start_heartbeat(**_: object) -> None:
+    global _heartbeat
+    ctx = context()
+    _heartbeat = Heartbeat(ctx.ledger, ctx.worker_id, ctx.settings.lease_s, requeue)
+    _heartbeat.start()
+
+
+@signals.worker_shutdown.connect
+def _stop_heartbeat(**_: object) -> None:
+    if _heartbeat is not None:
+        _heartbeat.stop()
+    if _context is not None:
+        _context.writer.close()
+
+
+@app.task(name=GENERATE_TASK, bind=True)
+def generate(self, **payload: object) -> str:
+    job = Job.from_payload(payload)
+    ctx = context()
+    outcome = run_job(ctx, job)
+    if outcome.closed_now:
+        on_closed(app, ctx.ledger, job.dataset, "budget",
+                  abort_in_flight=ctx.settings.abort_on_close)
+    if outcome.status == "requeue":
+        # No room in the budget yet: give the slot to other datasets, try again later.
+        time.sleep(REQUEUE_PAUSE_S)
+        requeue(job)
+    if outcome.status == "closed":
+        # Shown as revoked in Flower, like tasks the stamped revoke caught.
+        self.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        ctx.ledger.count(job.dataset, "revoked")
+        raise Ignore()
+    return outcome.status
