@@ -11,7 +11,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import redis
+
 from config.settings import Settings, SettingsError, load_settings, masked_url
+from datagen.errors import DatagenError
 
 log = logging.getLogger("datagen")
 
@@ -109,6 +112,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(settings, args) or 0)
     except KeyboardInterrupt:
         return 130
+    except (DatagenError, ValueError, OSError, redis.exceptions.RedisError) as exc:
+        # Bad partitions, unknown datasets, unreachable services: one clear line, no traceback.
+        log.debug("command failed", exc_info=True)
+        print(f"datagen {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def print_json(data: Any) -> None:

@@ -61,6 +61,9 @@ class Settings:
     keep_truncated: bool = True
     abort_on_close: bool = False  # abort in-flight requests when a dataset closes
     precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
+    # Admission keeps this many standard deviations of what is in flight in reserve:
+    # higher lands closer to the budget from below, at the price of a slower finish.
+    admission_margin_sd: float = 1.0
 
     # HTTP: every call carries both timeouts (the threads pool cannot kill a task).
     connect_timeout_s: float = 10.0

@@ -45,6 +45,8 @@ CLOSED = "closed"
 DEAD = "dead"
 # LIST of completed response lengths (newest first, capped): the length model.
 LENGTHS = "lengths"
+# LIST of "completion_tokens latency_s" of the 64 latest responses: current decode speed.
+SPEEDS = "speeds"
 # STRING int: bumped on every reopen; task messages are stamped "<dataset>#<epoch>" so a
 # stamped revoke of a closed epoch never hits tasks enqueued after a reopen.
 EPOCH = "epoch"

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 PRIOR_MEAN_TOKENS = 2048
 MODEL_MIN_SAMPLES = 8
-MODEL_POINTS = 48
+MODEL_POINTS = 96
+MODEL_REFRESH_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class Ledger:
               self.k(dataset, keys.INFLIGHT), self.k(dataset, keys.STATS), keys.BUDGETS,
               self.k(dataset, keys.MODEL)]
         args = [dataset, sample, entry, time.time(), self.settings.budget_for(dataset),
-                prompt_tokens, self.settings.budget_counts, int(precise), PRIOR_MEAN_TOKENS]
+                prompt_tokens, self.settings.budget_counts, int(precise), PRIOR_MEAN_TOKENS,
+                self.settings.admission_margin_sd]
         status, committed, expected = self._run(self._admit, ks, args)
         return Admission(str(status), int(committed), int(expected))
 
@@ -108,7 +110,8 @@ class Ledger:
         if self.settings.budget_counts == "total":
             counted += prompt_tokens
         ks = [self.k(dataset, p) for p in (keys.DONE, keys.STATS, keys.INFLIGHT, keys.PENDING,
-                                            keys.LENGTHS, keys.CLOSED)] + [keys.BUDGETS]
+                                            keys.LENGTHS, keys.CLOSED)] + [
+            keys.BUDGETS, self.k(dataset, keys.SPEEDS)]
         args = [dataset, sample, rid, counted, prompt_tokens, completion_tokens, int(truncated),
                 self.settings.budget_for(dataset), self.settings.max_samples or 0,
                 keys.LENGTHS_KEPT, latency_s]
@@ -133,18 +136,29 @@ class Ledger:
     # -- the length model used by admission ---------------------------------------
 
     def _maybe_refresh_model(self, dataset: str) -> None:
-        samples = int(self.r.hget(self.k(dataset, keys.STATS), "samples") or 0)
-        if samples < MODEL_MIN_SAMPLES:
-            return
-        if samples > 256 and samples % 16 and self.r.exists(self.k(dataset, keys.MODEL)):
-            return
-        self.refresh_model(dataset)
+        """Refresh at most every MODEL_REFRESH_S per dataset, across all workers."""
+        lock = self.k(dataset, keys.MODEL) + ":lock"
+        if self.r.set(lock, "1", nx=True, px=int(MODEL_REFRESH_S * 1000)):
+            self.refresh_model(dataset)
 
     def refresh_model(self, dataset: str) -> dict[str, Any] | None:
         lengths = [int(x) for x in self.r.lrange(self.k(dataset, keys.LENGTHS), 0, -1)]
         stats = self.r.hgetall(self.k(dataset, keys.STATS))
-        model = length_model(lengths, float(stats.get("decoded", 0)),
-                             float(stats.get("decode_s", 0)))
+        decoded, decode_s = 0.0, 0.0
+        for pair in self.r.lrange(self.k(dataset, keys.SPEEDS), 0, -1):
+            tokens, seconds = pair.split()
+            decoded, decode_s = decoded + float(tokens), decode_s + float(seconds)
+        if not decode_s:
+            decoded, decode_s = float(stats.get("decoded", 0)), float(stats.get("decode_s", 0))
+        rate = decoded / decode_s if decode_s > 0 else None
+        now = time.time()
+        censored, cap = [], 0
+        for entry in self.in_flight(dataset).values():
+            cap = max(cap, int(entry.get("max_new_tokens") or 0))
+            if rate:
+                progress = (now - entry["start"]) * rate
+                censored.append(min(progress, entry.get("max_new_tokens") or progress))
+        model = length_model(lengths, decoded, decode_s, censored, cap or None)
         if model is not None:
             self.r.set(self.k(dataset, keys.MODEL), json.dumps(model))
         return model
@@ -221,43 +235,74 @@ class Ledger:
                 "pending": pending, "in_flight": in_flight, "dead": dead, "closed": closed}
 
 
-def length_model(lengths: list[int], decoded: float, decode_s: float) -> dict[str, Any] | None:
-    """Conditional-mean table for E[L | L > t], learnt from completed lengths.
+def length_model(lengths: list[int], decoded: float, decode_s: float,
+                 censored: list[float] | None = None, cap: int | None = None
+                 ) -> dict[str, Any] | None:
+    """Table of E[L | L > t] for admission, learnt from the dataset's own responses.
 
-    ``t`` are thresholds at quantiles, ``m[i]`` the mean of the lengths above
-    ``t[i]``; ``tail`` the mean excess beyond the last threshold; ``rate`` the
+    Completed lengths alone are biased short (short responses finish first), so
+    requests still in flight count as censored observations (L > progress so far)
+    in a Kaplan–Meier estimate of the survival curve S. Then
+    E[L | L > t] = t + (integral of S from t to the cap) / S(t). Mass that KM
+    leaves beyond the longest observation is put at the cap (max_new_tokens):
+    conservative, and it shrinks as requests complete.
+    ``t``/``m``/``v`` are the table (threshold, conditional mean, conditional variance),
+    ``tail`` the mean excess past the last threshold, ``mean``/``var`` of L, ``rate``
     tokens per second of one request (turns elapsed time into progress).
     """
     if len(lengths) < MODEL_MIN_SAMPLES:
         return None
-    xs = sorted(lengths)
-    n = len(xs)
-    thresholds: list[int] = []
-    means: list[float] = []
-    suffix = [0.0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + xs[i]
-    step = max(1, n // MODEL_POINTS)
-    for i in range(0, n - 1, step):
-        t = xs[i] if i else 0
-        j = _first_above(xs, t)
-        if j >= n or (thresholds and t == thresholds[-1]):
-            continue
-        thresholds.append(t)
-        means.append(suffix[j] / (n - j))
-    top = xs[-max(2, n // 20):]
-    tail = max(1.0, sum(top) / len(top) - top[0])
+    points, survival = _kaplan_meier(lengths, censored or [])
+    top = max(max(lengths), max(censored or [0]))
+    cap = max(cap or top, top)
+    # Area under S and under 2u·S(u) to the right of each point (first and second
+    # moments), with the leftover mass at the cap.
+    areas, areas2 = [0.0] * len(points), [0.0] * len(points)
+    area = survival[-1] * (cap - points[-1])
+    area2 = survival[-1] * (cap * cap - points[-1] ** 2)
+    for i in range(len(points) - 1, -1, -1):
+        areas[i], areas2[i] = area, area2
+        if i:
+            area += survival[i - 1] * (points[i] - points[i - 1])
+            area2 += survival[i - 1] * (points[i] ** 2 - points[i - 1] ** 2)
+    mean = area + points[0]  # S = 1 on [0, first point)
+    second = area2 + points[0] ** 2
+    step = max(1, len(points) // MODEL_POINTS)
+    thresholds, means, variances = [0], [mean], [max(0.0, second - mean * mean)]
+    for i in range(0, len(points), step):
+        if survival[i] <= 1e-9:
+            break
+        m1 = points[i] + areas[i] / survival[i]
+        m2 = points[i] ** 2 + areas2[i] / survival[i]
+        thresholds.append(int(points[i]))
+        means.append(m1)
+        variances.append(max(0.0, m2 - m1 * m1))
+    tail = means[-1] - thresholds[-1]
     rate = decoded / decode_s if decode_s > 0 else 50.0
-    return {"t": thresholds, "m": means, "tail": tail, "mean": sum(xs) / n, "rate": rate,
-            "n": n}
+    return {"t": thresholds, "m": means, "v": variances, "tail": max(1.0, tail),
+            "mean": mean, "var": variances[0], "rate": rate, "n": len(lengths),
+            "censored": len(censored or [])}
 
 
-def _first_above(xs: list[int], t: int) -> int:
-    lo, hi = 0, len(xs)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if xs[mid] <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+def _kaplan_meier(events: list[int], censored: list[float]
+                  ) -> tuple[list[float], list[float]]:
+    """Distinct observation points and the survival S(t) just after each."""
+    obs = sorted([(float(x), 1) for x in events] + [(float(x), 0) for x in censored])
+    at_risk = len(obs)
+    points: list[float] = []
+    survival: list[float] = []
+    s = 1.0
+    i = 0
+    while i < len(obs):
+        t = obs[i][0]
+        deaths = removed = 0
+        while i < len(obs) and obs[i][0] == t:
+            deaths += obs[i][1]
+            removed += 1
+            i += 1
+        if deaths:
+            s *= 1.0 - deaths / at_risk
+        at_risk -= removed
+        points.append(t)
+        survival.append(s)
+    return points, survival

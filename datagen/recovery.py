@@ -79,7 +79,7 @@ def _store(ledger: Ledger, dataset: str, done: dict[str, str], stats: dict[str, 
     r = ledger.r
     k = ledger.k
     with r.pipeline() as pipe:
-        for part in (keys.DONE, keys.STATS, keys.LENGTHS, keys.MODEL, keys.CLOSED):
+        for part in (keys.DONE, keys.STATS, keys.LENGTHS, keys.SPEEDS, keys.MODEL, keys.CLOSED):
             pipe.delete(k(dataset, part))
         if done:
             pipe.hset(k(dataset, keys.DONE), mapping=done)

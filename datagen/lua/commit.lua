@@ -1,7 +1,7 @@
 -- Commit one stored record: count its tokens once, however often it was delivered.
 -- KEYS[1] done hash      KEYS[2] stats hash     KEYS[3] inflight hash
 -- KEYS[4] pending hash   KEYS[5] lengths list   KEYS[6] closed flag
--- KEYS[7] budgets hash
+-- KEYS[7] budgets hash     KEYS[8] recent speeds list
 -- ARGV[1] dataset  ARGV[2] sample id  ARGV[3] rid  ARGV[4] counted tokens
 -- ARGV[5] prompt tokens  ARGV[6] completion tokens  ARGV[7] truncated (0/1)
 -- ARGV[8] default budget  ARGV[9] max samples (0 = none)  ARGV[10] lengths kept
@@ -34,6 +34,9 @@ local latency = tonumber(ARGV[11])
 if latency and latency > 0 then
   redis.call('HINCRBYFLOAT', KEYS[2], 'decode_s', latency)
   redis.call('HINCRBY', KEYS[2], 'decoded', tonumber(ARGV[6]))
+  -- Recent speeds: a server decodes faster as its batch drains.
+  redis.call('LPUSH', KEYS[8], ARGV[6] .. ' ' .. latency)
+  redis.call('LTRIM', KEYS[8], 0, 63)
 end
 redis.call('LPUSH', KEYS[5], ARGV[6])
 redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[10]) - 1)

@@ -1,0 +1,182 @@
+"""Disk and time planning for hidden-state extraction (phase 2).
+
+Every token stores 3 aux states + 1 final state of ``hidden_size`` values in the model dtype,
+plus its id and loss-mask flag as int64 (16 bytes). The producer and the CLI import this
+module, so it must not import torch: only ``calibrate`` does, lazily, because it runs the model.
+
+    bytes  = tokens x (4 x H x dtype_bytes + 16)
+    hours  = tokens / (tokens_per_s x n_gpus) / 3600
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from datagen.errors import StorageError
+
+log = logging.getLogger(__name__)
+
+N_AUX = 3
+ID_AND_MASK_BYTES = 16  # input_ids int64 + loss_mask int64
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class InsufficientDiskSpace(StorageError):
+    """The estimated output does not fit on the target filesystem."""
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """SpecForge's default low/mid/high layers: the *outputs* of decoder layers 1, N//2-1, N-4."""
+    if num_layers < 4:
+        raise ValueError(f"num_layers={num_layers}: need at least 4 decoder layers for aux ids")
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def bytes_per_token(hidden_size: int, dtype_bytes: int = 2, n_aux: int = N_AUX) -> int:
+    return (n_aux + 1) * hidden_size * dtype_bytes + ID_AND_MASK_BYTES
+
+
+def estimate_bytes(tokens: int, hidden_size: int, dtype_bytes: int = 2, n_aux: int = N_AUX) -> int:
+    """Bytes of tensor payload; torch.save adds ~1-2 KB per file on top, ignored here."""
+    return tokens * bytes_per_token(hidden_size, dtype_bytes, n_aux)
+
+
+@dataclass(frozen=True)
+class DatasetEstimate:
+    name: str
+    tokens: int
+    bytes: int
+    hours: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    datasets: tuple[DatasetEstimate, ...]
+    total_tokens: int
+    hidden_size: int
+    num_layers: int
+    aux_layer_ids: tuple[int, ...]
+    dtype_bytes: int
+    bytes_per_token: int
+    total_bytes: int
+    tokens_per_s_per_gpu: float
+    n_gpus: int
+    hours: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def text(self) -> str:
+        return render(self)
+
+
+def estimate(tokens_by_dataset: Mapping[str, int], hidden_size: int, num_layers: int,
+             tokens_per_s: float, n_gpus: int = 1, dtype_bytes: int = 2) -> Estimate:
+    """Plan a run: bytes and hours per dataset and in total."""
+    if tokens_per_s <= 0 or n_gpus <= 0:
+        raise ValueError(f"tokens_per_s={tokens_per_s} and n_gpus={n_gpus} must be > 0")
+    rate = tokens_per_s * n_gpus
+    per = tuple(
+        DatasetEstimate(name, int(tok), estimate_bytes(int(tok), hidden_size, dtype_bytes),
+                        int(tok) / rate / 3600)
+        for name, tok in tokens_by_dataset.items()
+    )
+    total = sum(d.tokens for d in per)
+    return Estimate(
+        datasets=per, total_tokens=total, hidden_size=hidden_size, num_layers=num_layers,
+        aux_layer_ids=default_aux_layer_ids(num_layers), dtype_bytes=dtype_bytes,
+        bytes_per_token=bytes_per_token(hidden_size, dtype_bytes),
+        total_bytes=estimate_bytes(total, hidden_size, dtype_bytes),
+        tokens_per_s_per_gpu=tokens_per_s, n_gpus=n_gpus, hours=total / rate / 3600,
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def render(est: Estimate) -> str:
+    """Human-readable plan that spells out the arithmetic so it can be checked by hand."""
+    h, d = est.hidden_size, est.dtype_bytes
+    lines = [
+        f"aux layers {list(est.aux_layer_ids)} of {est.num_layers} (outputs) + final norm",
+        f"bytes/token = (3 aux + 1 final) x H {h} x {d} B + {ID_AND_MASK_BYTES} B (ids, mask)"
+        f" = {est.bytes_per_token:,} B",
+        f"{'dataset':<24}{'tokens':>16}{'disk':>16}{'hours':>10}",
+    ]
+    for ds in est.datasets:
+        lines.append(f"{ds.name:<24}{ds.tokens:>16,}{_gb(ds.bytes):>16}{ds.hours:>10.2f}")
+    lines += [
+        f"{'total':<24}{est.total_tokens:>16,}{_gb(est.total_bytes):>16}{est.hours:>10.2f}",
+        f"disk  = {est.total_tokens:,} tokens x {est.bytes_per_token:,} B"
+        f" = {est.total_bytes:,} B = {est.total_bytes / 1e12:,.2f} TB",
+        f"time  = {est.total_tokens:,} tokens / ({est.tokens_per_s_per_gpu:,.0f} tokens/s"
+        f" x {est.n_gpus} GPUs) / 3600 = {est.hours:,.1f} h",
+    ]
+    return "\n".join(lines)
+
+
+def _existing_parent(path: Path) -> Path:
+    # The output folder may not exist yet; its filesystem is that of the nearest existing parent.
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_disk(output_dir: str | Path, tokens: int, hidden_size: int, dtype_bytes: int = 2,
+               override: bool = False) -> int:
+    """Raise InsufficientDiskSpace when the estimate exceeds free space; returns needed bytes."""
+    need = estimate_bytes(tokens, hidden_size, dtype_bytes)
+    where = _existing_parent(Path(output_dir))
+    free = shutil.disk_usage(where).free
+    if need > free:
+        msg = (f"need {need / 1e9:,.1f} GB for {tokens:,} tokens, {free / 1e9:,.1f} GB free at "
+               f"{where}; pass --force to override")
+        if not override:
+            raise InsufficientDiskSpace(msg)
+        log.warning("disk check overridden: %s", msg)
+    return need
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model_path: str
+    device_name: str
+    tokens_per_s: float
+    measured_at: float
+
+
+def save_calibration(path: str | Path, model_path: str, device_name: str,
+                     tokens_per_s: float) -> Calibration:
+    cal = Calibration(model_path, device_name, float(tokens_per_s), time.time())
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(asdict(cal), indent=2) + "\n")
+    return cal
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    data = json.loads(Path(path).read_text())
+    return Calibration(str(data["model_path"]), str(data["device_name"]),
+                       float(data["tokens_per_s"]), float(data.get("measured_at", 0.0)))
+
+
+def calibrate(model_path: str, seq_len: int = 4096, n_batches: int = 4,
+              device: str = "auto", dtype: str = "bfloat16") -> float:
+    """Tokens/s of the extraction forward (hooks + final norm, no LM head) on random ids."""
+    from workers.extraction import ExtractionConfig, Extractor  # torch loads only here
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ExtractionConfig(model_path=model_path, output_dir=tmp, device=device, dtype=dtype,
+                               max_length=max(seq_len, 1), batch_tokens=max(seq_len, 1))
+        rate = Extractor(cfg).measure_forward(seq_len, n_batches)
+    log.info("calibrated %s: %.0f tokens/s at seq_len %d", model_path, rate, seq_len)
+    return rate

@@ -1,0 +1,101 @@
+"""The producer: classification, clamping, bad-input reports, and what it enqueues."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+from conftest import write_jsonl
+
+from cli.stack import REPO
+from config.settings import Settings
+from producers.producer import Plan, classify
+
+
+def test_classify_by_prompt_length_against_the_threshold() -> None:
+    s = Settings(long_threshold_tokens=100, short_max_tokens=50, long_max_tokens=80)
+    assert classify(s, 100, None) == Plan("short", 50)
+    assert classify(s, 101, None) == Plan("long", 80)
+
+
+def test_max_new_tokens_is_clamped_to_the_context_or_the_prompt_skipped() -> None:
+    s = Settings(long_threshold_tokens=100, short_max_tokens=50, long_max_tokens=80)
+    assert classify(s, 90, context_length=120) == Plan("short", 30)
+    assert classify(s, 150, context_length=400) == Plan("long", 80)
+    reason = classify(s, 120, context_length=120)
+    assert isinstance(reason, str) and "120 tokens" in reason and "no room" in reason
+
+
+def _produce(tmp: Path, redis_url: str, tokenizer_dir: Path, *extra: str
+             ) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DATAGEN_REDIS_URL=redis_url, DATAGEN_OUTPUT_DIR=str(tmp / "out"),
+               DATAGEN_TOKENIZER_PATH=str(tokenizer_dir), DATAGEN_CONTEXT_LENGTH="400",
+               DATAGEN_LONG_THRESHOLD_TOKENS="100", DATAGEN_SHORT_MAX_TOKENS="64",
+               DATAGEN_LONG_MAX_TOKENS="64")
+    return subprocess.run([sys.executable, "-m", "cli.main", "produce", "--data-dir",
+                           str(tmp / "partition"), *extra], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bad_input_is_reported_with_file_line_and_reason_and_the_rest_runs(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    # Given: a dataset with one good line and one line of each bad kind
+    long_prompt = " ".join(f"w{i}" for i in range(600))
+    bad = write_jsonl(tmp_path / "partition" / "B1_bad" / "a.jsonl", [
+        {"id": "ok-1", "prompt": "fine"},
+        "{not json",
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"id": "too-long", "prompt": long_prompt},
+        {"id": "ok-2", "messages": [{"role": "user", "content": "also fine"}]},
+    ])
+    with open(bad, "ab") as fh:
+        fh.write(b'{"prompt": "caf\xe9"}\n')
+    write_jsonl(tmp_path / "partition" / "B2_good.jsonl", [{"prompt": "hello"}])
+
+    # When: the producer runs
+    result = _produce(tmp_path, redis_url, tokenizer_dir)
+
+    # Then: exit status 3, a summary with the count, and a per-dataset report
+    assert result.returncode == 3, result.stderr
+    assert "3 enqueued, 5 skipped as bad input" in result.stdout
+    report = (tmp_path / "out" / "reports" / "B1_bad.bad.txt").read_text().splitlines()
+    assert len(report) == 5
+    expect = {2: "invalid JSON", 3: "empty", 4: "unknown role 'wizard'", 5: "context length",
+              7: "UTF-8"}
+    for line_no, words in expect.items():
+        hit = [r for r in report if r.startswith(f"{bad}:{line_no}:")]
+        assert hit and words in hit[0], (line_no, report)
+    pending = redis.Redis.from_url(redis_url, decode_responses=True).hkeys("dg:ds:B1_bad:pending")
+    assert sorted(pending) == ["ok-1", "ok-2"]
+
+
+def test_a_second_producer_run_enqueues_only_what_is_not_queued_or_done(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    write_jsonl(tmp_path / "partition" / "B1.jsonl",
+                [{"id": f"s{i}", "prompt": f"question {i}"} for i in range(5)])
+    first = _produce(tmp_path, redis_url, tokenizer_dir)
+    assert first.returncode == 0, first.stderr
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert client.llen("short") == 5
+    # One sample is done meanwhile; two more prompts are added to the dataset.
+    client.hset("dg:ds:B1:done", "s0", "rid 10")
+    with open(tmp_path / "partition" / "B1.jsonl", "a") as fh:
+        for i in (5, 6):
+            fh.write(json.dumps({"id": f"s{i}", "prompt": f"question {i}"}) + "\n")
+    second = _produce(tmp_path, redis_url, tokenizer_dir)
+    assert second.returncode == 0, second.stderr
+    assert client.llen("short") == 7
+    assert "B1" in second.stdout and " 2 " in second.stdout.splitlines()[1]
+
+
+def test_unknown_dataset_name_is_a_clear_error(tmp_path: Path, redis_url: str,
+                                               tokenizer_dir: Path) -> None:
+    write_jsonl(tmp_path / "partition" / "B1.jsonl", [{"prompt": "x"}])
+    result = _produce(tmp_path, redis_url, tokenizer_dir, "--partition", "B9")
+    assert result.returncode != 0
+    assert "B9" in result.stderr and "B1" in result.stderr

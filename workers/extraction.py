@@ -1,0 +1,370 @@
+"""Phase 2: run the target model over prompt+response ids, write SpecForge offline files.
+
+One ``Extractor`` per GPU process loads the model once; the Celery task calls ``run_shard``
+for each shard of phase-1 records. Per sample it writes ``data_{idx}.ckpt`` =
+{input_ids int64 [L], loss_mask int64 [L], aux_hidden_state [1, L, 3H], hidden_state [1, L, H]}
+(see extraction_io for layout and crash safety, extraction_model for hooks and packing,
+extraction_pipeline for the overlap of compute, copies and writes).
+
+Batching: a shard's samples are sorted by length (longest first) and cut into batches of at most
+``batch_tokens`` tokens; a batch is the unit of retry and of one device->host copy. Inside a
+batch, consecutive samples share a row (one forward call, no padding) up to ``pack_tokens``.
+A failing batch (CUDA OOM or any error) is split in halves down to single samples; a single
+sample that still fails is reported in ``ShardResult.failures`` for the caller to dead-letter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from datagen.errors import StorageError
+from datagen.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
+from workers.extraction_io import (
+    Manifest,
+    Rejected,
+    Sample,
+    load_done,
+    prepare,
+    read_shard,
+    relative_path,
+    remove_stale_temps,
+    sample_tensors,
+    save_atomic,
+    shard_name,
+)
+from workers.extraction_model import (
+    DTYPES,
+    RowRunner,
+    load_model,
+    packing_isolated,
+    resolve_device,
+)
+from workers.extraction_pipeline import AsyncWriter, Countdown, HostStaging, Staged
+
+__all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]  # (samples handled so far, samples in shard)
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class ExtractionConfig:
+    model_path: str
+    output_dir: str
+    aux_layer_ids: tuple[int, ...] | None = None  # None: SpecForge's [1, N//2-1, N-4]
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    max_length: int = 16384
+    overlong: str = "truncate"   # or "skip"
+    batch_tokens: int = 32768
+    pack_tokens: int | None = None  # None: whole batch with flash varlen, else 4096 (see model)
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    file_format: str = "ckpt"    # or "safetensors"
+    writer_threads: int = 4
+    max_pending_writes: int = 8
+    check_free_space: bool = True
+    force: bool = False          # write even when the disk check says it will not fit
+
+    def __post_init__(self) -> None:
+        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"),
+                   "file_format": ("ckpt", "safetensors")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
+        for name in ("max_length", "batch_tokens", "writer_threads", "max_pending_writes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
+
+    def resolved_pack_tokens(self) -> int:
+        if self.pack_tokens is not None:
+            return self.pack_tokens
+        return self.batch_tokens if self.attn_implementation in VARLEN_ATTENTION else 4096
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    idx: int | None
+    id: str
+    reason: str
+
+
+@dataclass
+class ShardResult:
+    shard: str
+    written: int = 0
+    skipped_done: int = 0
+    skipped_overlong: int = 0
+    truncated: int = 0
+    tokens: int = 0               # tokens written by this run
+    bytes: int = 0                # bytes written by this run
+    seconds: float = 0.0
+    failures: list[SampleFailure] = field(default_factory=list)
+    overlong_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _ShardRun:
+    """Per-shard state shared by the forward loop and the writer threads."""
+
+    result: ShardResult
+    manifest: Manifest | None = None
+    pending: list[tuple[Sample, Future]] = field(default_factory=list)
+    total: int = 0
+    handled: int = 0
+
+
+class Extractor:
+    def __init__(self, cfg: ExtractionConfig, model: Any | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        if model is not None and cfg.device == "auto":  # an already-built model stays put
+            self.device = next(model.parameters()).device
+        self.dtype = DTYPES[cfg.dtype]
+        if model is None:
+            model = load_model(cfg.model_path, cfg.dtype, self.device,
+                               cfg.attn_implementation, cfg.trust_remote_code)
+        self.model = model.eval()
+        n_layers = int(model.config.num_hidden_layers)
+        self.aux_layer_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(n_layers))
+        self.runner = RowRunner(model, self.aux_layer_ids, self.device)
+        self.hidden_size = self.runner.hidden
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.pack_tokens = self._check_packing(cfg.resolved_pack_tokens())
+        self.staging = HostStaging(self.device, self.runner.width, self.dtype,
+                                   max(cfg.batch_tokens, cfg.max_length))
+        self.writer = AsyncWriter(cfg.writer_threads, cfg.max_pending_writes)
+        log.info("extractor ready: H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
+                 self.hidden_size, list(self.aux_layer_ids), n_layers, cfg.dtype, self.device,
+                 self.pack_tokens)
+
+    @classmethod
+    def from_model(cls, model: Any, cfg: ExtractionConfig) -> Extractor:
+        """Use an already-built model (benchmarks build random weights directly on the GPU)."""
+        return cls(cfg, model=model)
+
+    def _check_packing(self, pack_tokens: int) -> int:
+        if pack_tokens <= 1 or packing_isolated(self.runner, self.vocab_size, self.dtype):
+            return pack_tokens
+        log.warning("this model/attention (%s) does not isolate packed samples: one row per "
+                    "sample", self.cfg.attn_implementation)
+        return 0
+
+    def close(self) -> None:
+        self.writer.close()
+        self.runner.capture.remove()
+
+    def __enter__(self) -> Extractor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- forward -------------------------------------------------------------------------
+
+    def _rows(self, lengths: Sequence[int]) -> list[int]:
+        """Number of consecutive samples in each row (a row never exceeds pack_tokens
+        unless one sample alone does)."""
+        rows: list[int] = []
+        used = 0
+        for n in lengths:
+            if rows and used + n <= self.pack_tokens:
+                rows[-1] += 1
+                used += n
+            else:
+                rows.append(1)
+                used = n
+        return rows
+
+    def _forward_batch(self, id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[sum(L), 4H] on the device: per sample its rows, in order (aux low|mid|high|final)."""
+        total = sum(len(ids) for ids in id_lists)
+        buf = torch.empty(total, self.runner.width, dtype=self.dtype, device=self.device)
+        off, i = 0, 0
+        for count in self._rows([len(ids) for ids in id_lists]):
+            row = id_lists[i:i + count]
+            n = sum(len(ids) for ids in row)
+            self.runner.forward_row(row, buf[off:off + n])
+            off, i = off + n, i + count
+        return buf
+
+    def forward_states(self, id_lists: Sequence[Sequence[int]]
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(aux [1, L, 3H], final [1, L, H]) on the CPU for each sample, run as one batch."""
+        host = self._forward_batch(id_lists).cpu()
+        split = self.runner.n_aux * self.hidden_size
+        out, off = [], 0
+        for ids in id_lists:
+            part = host[off:off + len(ids)]
+            out.append((part[:, :split].unsqueeze(0).clone(), part[:, split:].unsqueeze(0).clone()))
+            off += len(ids)
+        return out
+
+    def measure_forward(self, seq_len: int, n_batches: int, warmup: int = 1) -> float:
+        """Tokens/s of the forward alone (hooks + final norm) on random ids of one length."""
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, self.vocab_size, (seq_len,), generator=g).tolist()
+                   for _ in range(warmup + n_batches)]
+        for ids in batches[:warmup]:
+            self._forward_batch([ids])
+        self._sync()
+        t0 = time.perf_counter()
+        for ids in batches[warmup:]:
+            self._forward_batch([ids])
+        self._sync()
+        return seq_len * n_batches / (time.perf_counter() - t0)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- shard ---------------------------------------------------------------------------
+
+    def run_shard(self, shard_path: str | Path, progress: Progress | None = None) -> ShardResult:
+        t0 = time.perf_counter()
+        out_dir = Path(self.cfg.output_dir)
+        run = _ShardRun(ShardResult(shard=str(shard_path)))
+        todo = self._plan(shard_path, out_dir, run)
+        if todo:
+            run.manifest = Manifest(out_dir, shard_name(shard_path))
+            try:
+                for batch in self._batches(todo):
+                    self._run_batch(batch, run)
+                    run.handled += len(batch)
+                    if progress is not None:
+                        progress(run.handled, run.total)
+            finally:
+                self._collect(run)
+                run.manifest.close()
+        run.result.seconds = time.perf_counter() - t0
+        log.info("shard %s: %d written (%d tokens), %d done before, %d overlong, %d failed, "
+                 "%.1fs", shard_path, run.result.written, run.result.tokens,
+                 run.result.skipped_done, run.result.skipped_overlong,
+                 len(run.result.failures), run.result.seconds)
+        return run.result
+
+    def _plan(self, shard_path: str | Path, out_dir: Path, run: _ShardRun) -> list[Sample]:
+        """Validate, drop what is done, clean temps of the rest, check the disk."""
+        res, cfg = run.result, self.cfg
+        done = load_done(out_dir)
+        todo: list[Sample] = []
+        for line, rec in read_shard(shard_path):
+            s = prepare(line, rec, cfg.max_length, cfg.overlong, self.vocab_size)
+            if isinstance(s, Rejected):
+                if s.overlong:
+                    res.skipped_overlong += 1
+                    res.overlong_ids.append(s.id)
+                else:
+                    res.failures.append(SampleFailure(s.idx, s.id, s.reason))
+            elif s.key in done and (out_dir / done[s.key]).is_file():
+                res.skipped_done += 1
+            else:
+                res.truncated += s.truncated
+                todo.append(s)
+        run.total = len(todo) + res.skipped_done
+        run.handled = res.skipped_done
+        if todo:
+            removed = remove_stale_temps(out_dir, (s.idx for s in todo))
+            if removed:
+                log.warning("removed %d temp files left by an interrupted run", removed)
+            if cfg.check_free_space:
+                check_disk(out_dir, sum(s.length for s in todo), self.hidden_size,
+                           DTYPE_BYTES[cfg.dtype], override=cfg.force)
+        return todo
+
+    def _batches(self, samples: list[Sample]) -> list[list[Sample]]:
+        ordered = sorted(samples, key=lambda s: (-s.length, s.idx))
+        batches: list[list[Sample]] = []
+        used = 0
+        for s in ordered:
+            if batches and used + s.length <= self.cfg.batch_tokens:
+                batches[-1].append(s)
+                used += s.length
+            else:
+                batches.append([s])
+                used = s.length
+        return batches
+
+    def _run_batch(self, batch: list[Sample], run: _ShardRun) -> None:
+        try:
+            buf = self._forward_batch([s.input_ids for s in batch])
+        except Exception as exc:  # noqa: BLE001 - any per-batch error: split and retry
+            self._on_batch_error(batch, run, exc)
+            return
+        staged = self.staging.stage(buf)
+        del buf
+        countdown = Countdown(len(batch), staged.release)
+        off = 0
+        for s in batch:
+            fut = self.writer.submit(self._write_sample, s, staged, off, countdown, run)
+            run.pending.append((s, fut))
+            off += s.length
+
+    def _on_batch_error(self, batch: list[Sample], run: _ShardRun, exc: Exception) -> None:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        if len(batch) == 1:
+            s = batch[0]
+            reason = f"forward failed: {type(exc).__name__}: {exc}"[:500]
+            log.error("sample idx=%d id=%r (%d tokens): %s", s.idx, s.id, s.length, reason)
+            run.result.failures.append(SampleFailure(s.idx, s.id, reason))
+            return
+        log.warning("batch of %d samples (%d tokens) failed (%s): splitting", len(batch),
+                    sum(s.length for s in batch), type(exc).__name__)
+        half = len(batch) // 2
+        self._run_batch(batch[:half], run)
+        self._run_batch(batch[half:], run)
+
+    def _write_sample(self, s: Sample, staged: Staged, off: int, countdown: Countdown,
+                      run: _ShardRun) -> int:
+        """Runs in a writer thread: copy out of the shared buffer, save, then record."""
+        try:
+            staged.wait()
+            part = staged.host[off:off + s.length]
+            split = self.runner.n_aux * self.hidden_size
+            # own storage per tensor: torch.save of a view would write the whole batch buffer
+            aux = torch.empty((1, s.length, split), dtype=self.dtype)
+            aux[0].copy_(part[:, :split])
+            final = torch.empty((1, s.length, self.hidden_size), dtype=self.dtype)
+            final[0].copy_(part[:, split:])
+        finally:
+            countdown.done()
+        rel = relative_path(s.idx, self.cfg.file_format)
+        size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final),
+                           self.cfg.file_format)
+        assert run.manifest is not None
+        run.manifest.append({"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
+                             "tokens": s.length})
+        return size
+
+    def _collect(self, run: _ShardRun) -> None:
+        """Wait for the writers; count successes; disk errors fail the shard (retryable by
+        the caller: what was written stays done), anything else fails the sample."""
+        self.writer.drain()
+        storage_errors: list[BaseException] = []
+        for s, fut in run.pending:
+            exc = fut.exception()
+            if exc is None:
+                run.result.written += 1
+                run.result.tokens += s.length
+                run.result.bytes += fut.result()
+            elif isinstance(exc, OSError):
+                storage_errors.append(exc)
+            else:
+                run.result.failures.append(SampleFailure(s.idx, s.id,
+                                                         f"write failed: {exc!r}"[:500]))
+        run.pending.clear()
+        if storage_errors:
+            raise StorageError(f"{len(storage_errors)} files could not be written under "
+                               f"{self.cfg.output_dir}: {storage_errors[0]}"
+                               ) from storage_errors[0]

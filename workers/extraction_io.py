@@ -1,0 +1,222 @@
+"""Files of the extraction phase: shard input, sample layout, atomic writes, manifest.
+
+Output layout (SpecForge walks the folder recursively and keeps names ending in ``.ckpt``)::
+
+    output_dir/rows_0-2000/data_17.ckpt
+    output_dir/rows_0-2000/.data_18.ckpt.tmp-<pid>-<thread>   (in flight; never ends in .ckpt)
+    output_dir/manifest/<shard-name>.jsonl                    ({idx, id, dataset, path, tokens})
+
+Crash safety: a file is written under a temp name, fsynced, renamed, the folder fsynced, and
+only then its manifest line appended. A sample counts as done when its manifest line exists
+AND its file exists. A file renamed but not yet in the manifest (killed in between) is simply
+rewritten on the next run: the rename is atomic, so the old and new file are both complete,
+and redoing at most ``writer_threads`` samples is cheaper than loading each file to adopt it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ROWS_PER_DIR = 2000
+MANIFEST_DIR = "manifest"
+TMP_MARK = ".tmp-"
+EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors"}
+_TMP_NAME = re.compile(r"^\.data_(\d+)\.[a-z]+" + re.escape(TMP_MARK))
+
+
+@dataclass(frozen=True)
+class Sample:
+    idx: int
+    id: str
+    dataset: str
+    input_ids: list[int]   # prompt + output, already truncated to max_length
+    n_prompt: int          # leading tokens with loss_mask 0
+    truncated: bool
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        # ids are unique per dataset, not necessarily across datasets
+        return (self.dataset, self.id)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    idx: int | None
+    id: str
+    reason: str
+    overlong: bool = False
+
+
+def read_shard(path: str | Path) -> list[tuple[int, Any]]:
+    """(line number, parsed record or the JSON error) for every non-blank line."""
+    out: list[tuple[int, Any]] = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append((n, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                out.append((n, exc))
+    return out
+
+
+def _ids_ok(ids: Any, vocab_size: int) -> bool:
+    return isinstance(ids, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids)
+
+
+def prepare(line: int, rec: Any, max_length: int, overlong: str,
+            vocab_size: int) -> Sample | Rejected:
+    """Validate one record and apply the overlong rule; ids out of the vocab are rejected
+    here because on CUDA they would trip a device-side assert that poisons the whole process."""
+    if not isinstance(rec, dict):
+        return Rejected(None, f"line {line}", f"not a JSON object: {rec}")
+    idx, sid = rec.get("idx"), str(rec.get("id", f"line {line}"))
+    if not isinstance(idx, int) or idx < 0:
+        return Rejected(None, sid, f"line {line}: bad idx {idx!r}")
+    prompt, output = rec.get("prompt_ids"), rec.get("output_ids")
+    if not (_ids_ok(prompt, vocab_size) and _ids_ok(output, vocab_size)):
+        return Rejected(idx, sid, f"token ids missing, not ints or outside [0, {vocab_size})")
+    ids = prompt + output
+    if not ids:
+        return Rejected(idx, sid, "no tokens")
+    truncated = len(ids) > max_length
+    if truncated and overlong == "skip":
+        return Rejected(idx, sid, f"{len(ids)} tokens > max_length {max_length}", overlong=True)
+    if len(prompt) >= max_length:
+        # truncation would keep no response token: nothing to train on
+        return Rejected(idx, sid, f"prompt alone {len(prompt)} >= max_length", overlong=True)
+    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:max_length], len(prompt), truncated)
+
+
+def rows_dir(idx: int) -> str:
+    start = idx // ROWS_PER_DIR * ROWS_PER_DIR
+    return f"rows_{start}-{start + ROWS_PER_DIR}"
+
+
+def relative_path(idx: int, file_format: str) -> str:
+    return f"{rows_dir(idx)}/data_{idx}.{EXTENSIONS[file_format]}"
+
+
+def sample_tensors(sample: Sample, aux: torch.Tensor, final: torch.Tensor) -> dict:
+    ids = torch.tensor(sample.input_ids, dtype=torch.int64)
+    mask = torch.ones(sample.length, dtype=torch.int64)
+    mask[: sample.n_prompt] = 0
+    return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux, "hidden_state": final}
+
+
+def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_atomic(final: Path, tensors: dict[str, torch.Tensor], file_format: str) -> int:
+    """Write, fsync, rename, fsync the folder; returns the file size."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
+    try:
+        if file_format == "safetensors":
+            from safetensors.torch import save_file
+            save_file(tensors, str(tmp))
+        else:
+            torch.save(tensors, tmp)
+        size = tmp.stat().st_size
+        _fsync(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync(final.parent)  # makes the rename itself durable before the manifest names the file
+    return size
+
+
+def remove_stale_temps(output_dir: Path, idxs: Iterable[int]) -> int:
+    """Delete temp files a killed run left for these samples (only these: other workers may be
+    writing their own samples into the same rows_ folder right now)."""
+    by_dir: dict[str, set[int]] = {}
+    for idx in idxs:
+        by_dir.setdefault(rows_dir(idx), set()).add(idx)
+    removed = 0
+    for sub, wanted in by_dir.items():
+        folder = output_dir / sub
+        if not folder.is_dir():
+            continue
+        for entry in os.scandir(folder):
+            m = _TMP_NAME.match(entry.name)
+            if m and int(m.group(1)) in wanted:
+                Path(entry.path).unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+def shard_name(shard_path: str | Path) -> str:
+    p = Path(shard_path)
+    # parent folder too: every dataset folder may have its own shard-0000.jsonl
+    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{p.parent.name}__{p.stem}")
+
+
+def load_done(output_dir: Path) -> dict[tuple[str, str], str]:
+    """(dataset, id) -> relative path from every manifest; torn last lines are skipped."""
+    done: dict[tuple[str, str], str] = {}
+    folder = output_dir / MANIFEST_DIR
+    if not folder.is_dir():
+        return done
+    for path in sorted(folder.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                e = json.loads(line)
+                done[(str(e["dataset"]), str(e["id"]))] = str(e["path"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return done
+
+
+class Manifest:
+    """Append-only JSONL of completed samples; one ``write`` per line on an O_APPEND fd so
+    lines from several threads (or a duplicate delivery of the same shard) never interleave."""
+
+    def __init__(self, output_dir: Path, name: str):
+        folder = output_dir / MANIFEST_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{name}.jsonl"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+        self._end_torn_line()
+
+    def _end_torn_line(self) -> None:
+        # a kill mid-append leaves a line without "\n"; close it so the next entry stays parseable
+        size = os.fstat(self._fd).st_size
+        if size:
+            with open(self.path, "rb") as fh:
+                fh.seek(size - 1)
+                if fh.read(1) != b"\n":
+                    os.write(self._fd, b"\n")
+
+    def append(self, entry: dict) -> None:
+        data = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            os.write(self._fd, data)
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
