@@ -19,6 +19,7 @@ from datagen.merge import datasets_on_disk, merge_dataset
 from datagen.recovery import rebuild_dataset
 
 EXIT_BAD_INPUT = 3
+STALL_SWEEP_S = 3.0
 
 
 def _ledger(settings: Settings) -> Ledger:
@@ -82,6 +83,7 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
     previous: dict[str, tuple[float, int]] = {}
     started = time.monotonic()
     last_line = 0.0
+    stalled_since: float | None = None
     while True:
         table = status_mod.rows(ledger, previous)
         previous = {r.dataset: (time.monotonic(), r.tokens) for r in table}
@@ -91,8 +93,16 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
             last_line = time.monotonic()
             print(progress_line(table), flush=True)
         if until_finished and status_mod.finished(table):
-            if app is None or not sweep(ledger, lambda job: enqueue(app, job)):
-                return table
+            return table
+        # Samples pending while nothing runs and the queues are empty: their messages
+        # were lost (a worker killed right after taking one). Give them back.
+        if app is not None and status_mod.stalled(table):
+            stalled_since = stalled_since or time.monotonic()
+            if time.monotonic() - stalled_since > STALL_SWEEP_S:
+                sweep(ledger, lambda job: enqueue(app, job))
+                stalled_since = None
+        else:
+            stalled_since = None
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             raise TimeoutError(f"run not finished after {timeout_s:.0f}s")
         time.sleep(interval)
@@ -144,6 +154,8 @@ def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     if ledger.closed(args.dataset):
         ledger.reopen(args.dataset)
+        # Its queued tasks were revoked at the close: enqueue everything missing anew.
+        ledger.r.delete(ledger.k(args.dataset, "pending"))
         print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}; reopened, enqueueing what "
               "is missing")
         return cmd_produce(settings.replace(partition=args.dataset), args)

@@ -76,6 +76,8 @@ class Settings:
     visibility_timeout_s: int = 43_200
     worker_pool: str = "threads"
     lease_s: float = 30.0
+    # SIGTERM: in-flight requests get this long to finish, then are aborted and handed back.
+    shutdown_grace_s: float = 30.0
 
     # Flower: "user:password"; `datagen flower` generates one when empty.
     flower_basic_auth: str = ""

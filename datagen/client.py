@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DATASET_HEADER = "X-Datagen-Dataset"
 RETRY_STATUS = {500, 502, 503, 504}
+HEALTH_CACHE_S = 1.0
 
 
 def new_rid() -> str:
@@ -58,6 +59,9 @@ class SGLangClient:
         self.api_key = api_key
         self.timeout = (connect_timeout_s, read_timeout_s)
         self._local = threading.local()
+        self._health_lock = threading.Lock()
+        self._health_at = -1e9
+        self._health_ok = True
 
     def __repr__(self) -> str:
         return f"SGLangClient({masked_url(self.base_url)})"
@@ -97,10 +101,18 @@ class SGLangClient:
             log.warning("abort of rid %s failed: %s", rid, exc)
 
     def healthy(self) -> bool:
-        try:
-            return self.session.get(f"{self.base_url}/health", timeout=(2, 5)).ok
-        except requests.RequestException:
-            return False
+        """``/health_generate`` (it runs one token, so a stuck server fails it), asked at
+        most once per HEALTH_CACHE_S by all threads of the process together."""
+        with self._health_lock:
+            now = time.monotonic()
+            if now - self._health_at < HEALTH_CACHE_S:
+                return self._health_ok
+            try:
+                ok = self.session.get(f"{self.base_url}/health_generate", timeout=(2, 20)).ok
+            except requests.RequestException:
+                ok = False
+            self._health_at, self._health_ok = time.monotonic(), ok
+            return ok
 
     def server_info(self) -> dict[str, Any]:
         try:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from config.settings import Settings
 from datagen.client import Generation, SGLangClient, backoff_s, new_rid
-from datagen.errors import BadInput, BadRequest, ServerUnavailable, StorageError
+from datagen.errors import BadInput, BadRequest, LedgerUnavailable, ServerUnavailable, StorageError
 from datagen.job import Job, Prompt, read_prompt
 from datagen.ledger import Admission, Ledger
 from datagen.records import RECORD_VERSION, RecordWriter
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 ADMISSION_WAIT_S = 2.0
 HEALTH_POLL_S = 2.0
+LEDGER_WAIT_S = 600.0
+# Set when the worker is shutting down: no new request starts, in-flight ones are handed back.
+STOPPING = threading.Event()
 
 
 @dataclass
@@ -89,17 +93,34 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) -
 
 
 def commit(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) -> Outcome:
-    result = ctx.ledger.commit(job.dataset, job.sample, rid,
-                               gen.prompt_tokens or len(prompt.prompt_ids),
-                               gen.completion_tokens, gen.truncated, gen.latency_s)
+    """Count the stored record; while Redis is away, keep trying (the record is safe on disk)."""
+    deadline = time.monotonic() + LEDGER_WAIT_S
+    while True:
+        try:
+            result = ctx.ledger.commit(job.dataset, job.sample, rid,
+                                       gen.prompt_tokens or len(prompt.prompt_ids),
+                                       gen.completion_tokens, gen.truncated, gen.latency_s)
+            break
+        except LedgerUnavailable as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("commit of %s/%s waits for Redis: %s", job.dataset, job.sample, exc)
+            time.sleep(1.0)
     status = "stored" if result.committed else "duplicate"
     return Outcome(status, gen.completion_tokens, result.closed_now)
 
 
 def run_job(ctx: Context, job: Job) -> Outcome:
-    """Check, call, persist, commit — with retries on a failing server."""
+    """Check, call, persist, commit — with retries on a failing server.
+
+    A try counts against ``max_retries`` only when the server looked healthy: while
+    it is down the job waits for it instead of burning its retries.
+    """
     settings = ctx.settings
-    for attempt in range(settings.max_retries + 1):
+    attempt = 0
+    while True:
+        if STOPPING.is_set():
+            return Outcome("requeue", detail="worker stopping")
         rid = new_rid()
         adm = admit(ctx, job, rid)
         if adm.status == "wait":
@@ -111,27 +132,30 @@ def run_job(ctx: Context, job: Job) -> Outcome:
             return _generate_admitted(ctx, job, rid)
         except ServerUnavailable as exc:
             ctx.ledger.release(job.dataset, job.sample, rid)
-            if attempt == settings.max_retries:
+            if attempt >= settings.max_retries:
                 return _dead(ctx, job, f"server unavailable after {attempt + 1} tries: {exc}")
             log.warning("sample %s of %s: %s (try %d)", job.sample, job.dataset, exc, attempt + 1)
-            wait_for_server(ctx, job)
-            time.sleep(backoff_s(attempt, settings.retry_backoff_s))
+            if wait_for_server(ctx, job):
+                attempt += 1
+                time.sleep(backoff_s(attempt, settings.retry_backoff_s))
         except (BadRequest, BadInput) as exc:
             ctx.ledger.release(job.dataset, job.sample, rid)
             return _dead(ctx, job, str(exc))
         except BaseException:
             ctx.ledger.release(job.dataset, job.sample, rid)
             raise
-    return Outcome("dead")  # not reached: the loop returns on its last try
 
 
 def _generate_admitted(ctx: Context, job: Job, rid: str) -> Outcome:
     prompt = read_prompt(ctx.settings.output_dir, job)
     gen = call(ctx, job, prompt, rid)
     if gen.aborted:
-        # Aborted because the dataset closed (abort policy): partial output is discarded.
+        # Aborted because the dataset closed (abort policy) or this worker is stopping:
+        # the partial output is discarded, never stored.
         ctx.ledger.release(job.dataset, job.sample, rid)
         ctx.ledger.count(job.dataset, "discarded_tokens", gen.completion_tokens)
+        if STOPPING.is_set() and not ctx.ledger.closed(job.dataset):
+            return Outcome("requeue", detail="handed back on shutdown")
         return Outcome("discarded", gen.completion_tokens)
     if gen.truncated and not ctx.settings.keep_truncated:
         ctx.ledger.release(job.dataset, job.sample, rid)
@@ -152,10 +176,14 @@ def _dead(ctx: Context, job: Job, reason: str) -> Outcome:
     return Outcome("dead", detail=reason)
 
 
-def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> None:
-    """While the server is down, wait for it instead of burning retries."""
+def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:
+    """Wait while the server is unhealthy; True when it was healthy all along."""
+    if ctx.client.healthy():
+        return True
+    log.warning("server %s unhealthy: waiting for it", ctx.client)
     deadline = time.monotonic() + max_wait_s
-    while not ctx.client.healthy() and time.monotonic() < deadline:
-        if ctx.ledger.closed(job.dataset):
-            return
+    while time.monotonic() < deadline and not STOPPING.is_set():
+        if ctx.ledger.closed(job.dataset) or ctx.client.healthy():
+            break
         time.sleep(HEALTH_POLL_S)
+    return False

@@ -25,7 +25,8 @@ from datagen.errors import LedgerUnavailable
 log = logging.getLogger(__name__)
 
 PRIOR_MEAN_TOKENS = 2048
-MODEL_MIN_SAMPLES = 8
+MODEL_MIN_SAMPLES = 16
+PSEUDO_CENSORED = 2
 MODEL_POINTS = 96
 MODEL_REFRESH_S = 0.25
 
@@ -152,7 +153,7 @@ class Ledger:
             decoded, decode_s = float(stats.get("decoded", 0)), float(stats.get("decode_s", 0))
         rate = decoded / decode_s if decode_s > 0 else None
         now = time.time()
-        censored, cap = [], 0
+        censored, cap = [], int(stats.get("cap", 0))
         for entry in self.in_flight(dataset).values():
             cap = max(cap, int(entry.get("max_new_tokens") or 0))
             if rate:
@@ -252,8 +253,13 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
     """
     if len(lengths) < MODEL_MIN_SAMPLES:
         return None
-    points, survival = _kaplan_meier(lengths, censored or [])
-    top = max(max(lengths), max(censored or [0]))
+    # Two pseudo-observations censored at the longest length seen: a few dozen samples
+    # cannot rule out longer responses, so part of the mass stays up to the cap. Their
+    # weight fades as samples accumulate (2 in 4,096 at most).
+    longest = max(lengths)
+    censored = list(censored or []) + [float(longest)] * PSEUDO_CENSORED
+    points, survival = _kaplan_meier(lengths, censored)
+    top = max(longest, max(censored))
     cap = max(cap or top, top)
     # Area under S and under 2u·S(u) to the right of each point (first and second
     # moments), with the leftover mass at the cap.
@@ -281,7 +287,7 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
     rate = decoded / decode_s if decode_s > 0 else 50.0
     return {"t": thresholds, "m": means, "v": variances, "tail": max(1.0, tail),
             "mean": mean, "var": variances[0], "rate": rate, "n": len(lengths),
-            "censored": len(censored or [])}
+            "censored": len(censored) - PSEUDO_CENSORED}
 
 
 def _kaplan_meier(events: list[int], censored: list[float]

@@ -97,6 +97,12 @@ def finished(table: Sequence[Row]) -> bool:
                or (r.queued == 0 and r.in_flight == 0) for r in table)
 
 
+def stalled(table: Sequence[Row]) -> bool:
+    """An open dataset has pending samples but nothing of it is in flight."""
+    return any(not r.state.startswith("closed") and r.queued and not r.in_flight
+               for r in table)
+
+
 def _bar(percent: float) -> str:
     filled = min(BAR_WIDTH, int(BAR_WIDTH * percent / 100))
     return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + f"] {percent:5.1f}%"

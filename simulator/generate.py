@@ -93,13 +93,12 @@ def _record_reset(app: App, rid: object, dataset: str | None) -> None:
 
 def _respond(out: Responder, app: App, call: GenerateCall, reqs: list[SimRequest],
              reset_mid: bool) -> None:
-    eos = app.config.eos_token_id
     bodies = []
     for req in reqs:
         # The engine stops by finishing every request, so this wait always ends.
         req.done.wait()
         latency = req.finished_at - req.created_at
-        bodies.append(result_body(req, req.decoded, req.finish_reason, eos, latency))
+        bodies.append(result_body(req, req.decoded, req.finish_reason, latency))
     payload = bodies if call.is_batch else bodies[0]
     if reset_mid:
         _record_reset(app, reqs[0].rid, reqs[0].dataset)
@@ -127,7 +126,6 @@ def _stream(out: Responder, app: App, req: SimRequest, reset_mid: bool) -> None:
 
 def _pump(out: Responder, app: App, req: SimRequest, reset_mid: bool) -> None:
     """Send every chunk SGLang would send, up to and including the one with finish_reason."""
-    eos = app.config.eos_token_id
     sent = 0
     while True:
         req.progress.wait()
@@ -137,12 +135,11 @@ def _pump(out: Responder, app: App, req: SimRequest, reset_mid: bool) -> None:
         for point in stream_points(sent, decoded, req.stream_interval):
             if reason is not None and point == decoded:
                 break  # the final chunk below carries this length
-            _emit(out, result_body(req, point, None, eos, time.time() - req.created_at),
-                  reset_mid)
+            _emit(out, result_body(req, point, None, time.time() - req.created_at), reset_mid)
         sent = decoded
         if reason is not None:
             latency = req.finished_at - req.created_at
-            _emit(out, result_body(req, decoded, reason, eos, latency), reset_mid)
+            _emit(out, result_body(req, decoded, reason, latency), reset_mid)
             return
 
 

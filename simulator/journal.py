@@ -8,17 +8,21 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 
 logger = logging.getLogger(__name__)
 
 EVENTS = ("start", "finish", "abort", "reject", "reset")
+# Memory bound for long benchmarks (~0.5 KB a record): the oldest records are dropped from
+# memory past this; the JSONL file, when given, keeps all of them.
+MAX_RECORDS = 500_000
 
 
 class RequestLog:
     def __init__(self, path: str | None = None) -> None:
         self._lock = threading.Lock()
-        self._records: list[dict] = []
-        self._file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115
+        self._records: deque[dict] = deque(maxlen=MAX_RECORDS)
+        self._file = open(path, "a", encoding="utf-8") if path else None
 
     def record(
         self,

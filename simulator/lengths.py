@@ -11,7 +11,8 @@ import math
 import random
 import zlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 from simulator.config import SimulatorConfig, parse_lengths
 
@@ -24,6 +25,21 @@ class OutputPlan:
 
     ids: list[int]
     finish_reason: dict
+    eos_token_id: int = 2
+    # The decoded text of all ids, and where the text of the first k ids ends; a cumulative
+    # stream chunk is then one slice instead of re-joining k words per chunk.
+    text: str = field(init=False, repr=False, compare=False)
+    text_ends: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        words = ["" if i == self.eos_token_id else f"tok{i}" for i in self.ids]
+        ends = list(accumulate((len(w) + 1 if w else 0 for w in words), initial=0))
+        object.__setattr__(self, "text", " ".join(w for w in words if w))
+        # Each word but the first is preceded by one space; drop the first word's share.
+        object.__setattr__(self, "text_ends", [max(0, e - 1) for e in ends])
+
+    def text_upto(self, count: int) -> str:
+        return self.text[: self.text_ends[count]]
 
 
 def plan_output(
@@ -41,21 +57,18 @@ def plan_output(
     id_rng = random.Random(digest[16:])
     if ignore_eos or natural > max_new_tokens:
         ids = _body_ids(id_rng, max_new_tokens, config)
-        return OutputPlan(ids, {"type": "length", "length": max_new_tokens})
+        return OutputPlan(ids, {"type": "length", "length": max_new_tokens},
+                          config.eos_token_id)
     # Stop on EOS: the EOS id is the last output id, as with skip_special_tokens only the text
     # drops it.
     ids = _body_ids(id_rng, natural - 1, config) + [config.eos_token_id]
-    return OutputPlan(ids, {"type": "stop", "matched": config.eos_token_id})
+    return OutputPlan(ids, {"type": "stop", "matched": config.eos_token_id}, config.eos_token_id)
 
 
 def tokenize_text(text: str, config: SimulatorConfig) -> list[int]:
     """One token per whitespace-separated word; good enough to make `text` requests work."""
     return [_avoid_eos(zlib.crc32(word.encode()) % (config.vocab_size - 1), config)
             for word in text.split()]
-
-
-def decode_text(ids: list[int], eos_token_id: int) -> str:
-    return " ".join(f"tok{i}" for i in ids if i != eos_token_id)
 
 
 def output_sha(ids: list[int]) -> str:

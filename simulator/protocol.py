@@ -8,7 +8,7 @@ from http import HTTPStatus
 from simulator.config import SimulatorConfig
 from simulator.engine import SimRequest
 from simulator.errors import ApiError
-from simulator.lengths import decode_text, plan_output, tokenize_text
+from simulator.lengths import plan_output, tokenize_text
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,11 @@ def build_request(item: GenerateItem, config: SimulatorConfig, stream: bool,
 
 
 def result_body(req: SimRequest, count: int, finish_reason: dict | None,
-                eos_token_id: int, e2e_latency: float) -> dict:
+                e2e_latency: float) -> dict:
     """SGLang's output dict; a stream chunk has the cumulative output and finish_reason None."""
-    ids = req.plan.ids[:count]
     return {
-        "text": decode_text(ids, eos_token_id),
-        "output_ids": ids,
+        "text": req.plan.text_upto(count),
+        "output_ids": req.plan.ids[:count],
         "meta_info": {
             "id": req.rid,
             "finish_reason": finish_reason,

@@ -3,6 +3,7 @@
     url, stop = start_in_thread(SimulatorConfig(max_running_requests=4, time_scale=0.01))
 """
 
+import dataclasses
 import logging
 import socket
 import socketserver
@@ -69,6 +70,8 @@ class Simulator:
         self.app = App(config)
         self.httpd = SimHTTPServer((config.host, config.port), self.app)
         host, port = self.httpd.server_address[:2]
+        # /server_info reports the port actually bound, not the 0 that asked for any port.
+        self.app.config = self.config = dataclasses.replace(config, port=port)
         self.url = f"http://{host}:{port}"
         self._thread: threading.Thread | None = None
 

@@ -10,7 +10,7 @@ from celery import signals
 from celery.exceptions import Ignore
 
 from datagen.celery_app import GENERATE_TASK, app
-from datagen.generation import Context, run_job
+from datagen.generation import STOPPING, Context, run_job
 from datagen.guard import enqueue, on_closed
 from datagen.job import Job
 from datagen.liveness import Heartbeat
@@ -44,6 +44,30 @@ def _start_heartbeat(**_: object) -> None:
     _heartbeat.start()
 
 
+@signals.worker_shutting_down.connect
+def _hand_back(**_: object) -> None:
+    """SIGTERM: start nothing new; after the grace period abort what is still in flight,
+    so its tasks return and re-enqueue their samples before the process exits."""
+    STOPPING.set()
+    if _context is None:
+        return
+    ctx = _context
+    timer = threading.Timer(ctx.settings.shutdown_grace_s, abort_own_requests, args=(ctx,))
+    timer.daemon = True
+    timer.start()
+
+
+def abort_own_requests(ctx: Context) -> int:
+    aborted = 0
+    for dataset in ctx.ledger.datasets():
+        for entry in ctx.ledger.in_flight(dataset).values():
+            if entry.get("worker") == ctx.worker_id:
+                ctx.client.abort(entry["rid"])
+                aborted += 1
+    log.warning("shutdown: aborted %d in-flight requests; their samples are re-enqueued", aborted)
+    return aborted
+
+
 @signals.worker_shutdown.connect
 def _stop_heartbeat(**_: object) -> None:
     if _heartbeat is not None:
@@ -61,8 +85,9 @@ def generate(self, **payload: object) -> str:
         on_closed(app, ctx.ledger, job.dataset, "budget",
                   abort_in_flight=ctx.settings.abort_on_close)
     if outcome.status == "requeue":
-        # No room in the budget yet: give the slot to other datasets, try again later.
-        time.sleep(REQUEUE_PAUSE_S)
+        # No room in the budget yet (or this worker is stopping): give the slot away.
+        if not STOPPING.is_set():
+            time.sleep(REQUEUE_PAUSE_S)
         requeue(job)
     if outcome.status == "closed":
         # Shown as revoked in Flower, like tasks the stamped revoke caught.

@@ -92,4 +92,9 @@ if ARGV[8] == '1' and #entries > 0 and committed + expected + this_one + margin 
   return {'wait', committed, math.floor(expected)}
 end
 redis.call('HSET', KEYS[3], sample, ARGV[3])
+-- The largest max_new_tokens seen bounds the length model's tail.
+local this_cap = cjson.decode(ARGV[3])['max_new_tokens'] or 0
+if this_cap > tonumber(redis.call('HGET', KEYS[4], 'cap') or '0') then
+  redis.call('HSET', KEYS[4], 'cap', this_cap)
+end
 return {'ok', committed, math.floor(expected)}

@@ -8,6 +8,7 @@ from simharness import TIMEOUT, generate, in_background, log, running_sim, stats
 
 # Slow enough that a request with 2,000 tokens stays in flight for seconds: room to abort it.
 SLOW = {"time_scale": 0.05, "lengths": "fixed:2000"}
+LONG = {"max_new_tokens": 5000}
 
 
 def test_generate_answers_in_sglang_shape_and_repeats_itself():
@@ -81,8 +82,7 @@ def test_stream_interval_follows_sglang_rule():
 
 def test_abort_by_rid_prefix_returns_partial_output():
     with running_sim(**SLOW) as url:
-        calls = {rid: in_background(generate, url, [i + 1], rid=rid,
-                                    sampling_params={"max_new_tokens": 5000})
+        calls = {rid: in_background(generate, url, [i + 1], rid=rid, sampling_params=LONG)
                  for i, rid in enumerate(["job1-aaaa", "job1-bbbb", "job2-cccc"])}
         wait_until(lambda: stats(url)["tokens_generated"] >= 30)
         assert requests.post(f"{url}/abort_request", json={"rid": "job1-"},
@@ -105,7 +105,8 @@ def test_abort_by_rid_prefix_returns_partial_output():
 
 def test_abort_all_also_aborts_waiting_requests():
     with running_sim(max_running_requests=1, **SLOW) as url:
-        calls = [in_background(generate, url, [i + 1], rid=f"r{i}") for i in range(3)]
+        calls = [in_background(generate, url, [i + 1], rid=f"r{i}", sampling_params=LONG)
+                 for i in range(3)]
         wait_until(lambda: (s := stats(url))["waiting"] == 2 and s["tokens_generated"] > 0)
         requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
         bodies = []
@@ -124,7 +125,7 @@ def test_abort_of_unknown_rid_is_200_with_empty_body():
 
 def test_duplicate_in_flight_rid_is_400():
     with running_sim(**SLOW) as url:
-        thread, _ = in_background(generate, url, rid="same-rid")
+        thread, _ = in_background(generate, url, rid="same-rid", sampling_params=LONG)
         wait_until(lambda: stats(url)["running"] == 1)
         resp = generate(url, rid="same-rid")
         requests.post(f"{url}/abort_request", json={"rid": "same-rid"}, timeout=TIMEOUT)
@@ -214,7 +215,8 @@ def test_request_log_records_dataset_header_and_output(tmp_path):
 def test_a_stream_whose_client_leaves_is_aborted():
     with running_sim(**SLOW) as url:
         resp = requests.post(f"{url}/generate", stream=True, timeout=TIMEOUT,
-                             json={"input_ids": [5], "stream": True, "rid": "leaver"})
+                             json={"input_ids": [5], "stream": True, "rid": "leaver",
+                                   "sampling_params": LONG})
         next(resp.iter_lines())
         resp.close()
         wait_until(lambda: stats(url)["requests_aborted"] == 1)

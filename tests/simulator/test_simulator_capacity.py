@@ -73,25 +73,28 @@ def test_queue_full_is_503():
     assert refused.json() == {"error": {"message": "The request queue is full."}}
 
 
-def test_four_hundred_concurrent_connections_are_served():
+def test_four_hundred_concurrent_requests_are_held_and_answered():
     clients = 400
-    barrier = threading.Barrier(clients)
     codes: list[int] = []
 
     def client(index: int) -> None:
         with requests.Session() as session:
-            barrier.wait(30)
-            codes.append(generate(url, [index + 1], session=session).status_code)
-            # Hold the connection open until everyone has an answer, so all 400 coexist.
-            barrier.wait(30)
+            resp = generate(url, [index + 1], session=session,
+                            sampling_params={"max_new_tokens": 10_000})
+            codes.append(resp.status_code)
 
-    with running_sim(max_running_requests=32, lengths="fixed:100") as url:
+    # Given answers long enough that no request ends before all 400 are in flight,
+    with running_sim(max_running_requests=32, lengths="fixed:5000", time_scale=0.05) as url:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(60)
+        # When all of them are queued or running at once,
+        wait_until(lambda: stats(url)["requests_started"] == clients, timeout_s=30)
         counters = stats(url)
+        requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
+        for thread in threads:
+            thread.join(30)
+    # Then the batch held at 32, the rest waited, and every connection got its answer.
+    assert (counters["running"], counters["waiting"]) == (32, clients - 32)
+    assert counters["peak_connections"] >= clients and counters["peak_running"] == 32
     assert codes == [200] * clients
-    assert counters["peak_connections"] >= clients
-    assert counters["peak_running"] == 32

@@ -1,0 +1,90 @@
+"""Planning arithmetic, disk check and calibration file; the module must not need torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from datagen import estimate as est
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The run this design is based on: 8 datasets at 10M tokens, one at 45M, one at 12.5M.
+ORIGINAL_RUN = {**{f"B{i}": 10_000_000 for i in range(1, 9)},
+                "A1": 45_000_000, "A2": 12_500_000}
+
+
+def test_import_does_not_load_torch():
+    code = "import sys, datagen.estimate; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_original_run_arithmetic():
+    plan = est.estimate(ORIGINAL_RUN, hidden_size=7168, num_layers=61, tokens_per_s=530,
+                        n_gpus=1, dtype_bytes=2)
+    tokens = 137_500_000
+    assert plan.total_tokens == tokens
+    assert plan.bytes_per_token == 4 * 7168 * 2 + 16 == 57_360
+    assert plan.total_bytes == tokens * 4 * 7168 * 2 + tokens * 16 == 7_887_000_000_000
+    assert plan.hours == pytest.approx(tokens / 530 / 3600)
+    assert plan.aux_layer_ids == (1, 29, 57)
+    by_name = {d.name: d for d in plan.datasets}
+    assert by_name["A1"].bytes == 45_000_000 * 57_360
+    assert by_name["B3"].hours == pytest.approx(10_000_000 / 530 / 3600)
+    assert sum(d.bytes for d in plan.datasets) == plan.total_bytes
+
+
+def test_text_shows_the_arithmetic():
+    plan = est.estimate(ORIGINAL_RUN, hidden_size=7168, num_layers=61, tokens_per_s=34_000,
+                        n_gpus=8)
+    text = plan.text
+    assert "137,500,000 tokens x 57,360 B = 7,887,000,000,000 B = 7.89 TB" in text
+    assert "(34,000 tokens/s x 8 GPUs) / 3600 = 0.1 h" in text
+    assert "H 7168 x 2 B + 16 B" in text
+    assert text.count("\n") == len(ORIGINAL_RUN) + 5
+
+
+def test_gpus_divide_time_not_disk():
+    one = est.estimate({"x": 10**9}, 4096, 32, tokens_per_s=34_000, n_gpus=1)
+    eight = est.estimate({"x": 10**9}, 4096, 32, tokens_per_s=34_000, n_gpus=8)
+    assert eight.hours == pytest.approx(one.hours / 8)
+    assert eight.total_bytes == one.total_bytes == 10**9 * (32 * 1024 + 16)
+
+
+def test_default_aux_layers_match_specforge():
+    assert est.default_aux_layer_ids(32) == (1, 15, 28)
+    with pytest.raises(ValueError):
+        est.default_aux_layer_ids(3)
+
+
+def test_check_disk_refuses_when_too_big_and_passes_with_override(tmp_path, monkeypatch):
+    monkeypatch.setattr(est.shutil, "disk_usage", lambda _p: SimpleNamespace(free=10**9))
+    target = tmp_path / "not" / "yet" / "created"
+    need = 10**6 * (4 * 4096 * 2 + 16)
+    with pytest.raises(est.InsufficientDiskSpace) as err:
+        est.check_disk(target, 10**6, 4096, 2)
+    msg = str(err.value)
+    assert "need 32.8 GB" in msg and "1.0 GB free at" in msg and "--force" in msg
+    assert str(tmp_path) in msg  # reports the nearest existing folder
+    assert est.check_disk(target, 10**6, 4096, 2, override=True) == need
+    assert est.check_disk(target, 1000, 4096, 2) == 1000 * (4 * 4096 * 2 + 16)
+
+
+def test_calibration_file_roundtrip(tmp_path):
+    path = tmp_path / "cal" / "h200.json"
+    saved = est.save_calibration(path, "/models/llama-8b", "NVIDIA H200", 34123.4)
+    loaded = est.load_calibration(path)
+    assert loaded == saved
+    assert loaded.tokens_per_s == 34123.4
+
+
+def test_calibrate_runs_the_extraction_forward(tmp_path):
+    from datagen.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "m", 128, hidden_size=32, num_layers=4)
+    rate = est.calibrate(str(model), seq_len=32, n_batches=2, device="cpu", dtype="float32")
+    assert rate > 0

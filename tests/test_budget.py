@@ -1,0 +1,210 @@
+"""The budget guard with real Redis, real worker processes and the simulator's request log."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from conftest import Stack, wait_until, write_jsonl
+
+from cli.commands import follow
+from cli.stack import REPO
+from datagen.records import iter_records, records_dir
+from producers.producer import Producer
+
+
+def partition(root: Path, sizes: dict[str, int]) -> Path:
+    for name, n in sizes.items():
+        write_jsonl(root / "partition" / f"{name}.jsonl",
+                    [{"id": f"{name}-{i}", "prompt": f"Tell me about {name} topic {i}"}
+                     for i in range(n)])
+    return root / "partition"
+
+
+def close_times(ledger: Any, dataset: str) -> list[float]:
+    return [e["t"] for e in ledger.events(dataset) if e["e"].startswith("closed")]
+
+
+def starts_after_close(stack: Stack, ledger: Any, dataset: str) -> list[dict[str, Any]]:
+    closed_at = min(close_times(ledger, dataset))
+    return [e for e in stack.sim_log() if e["event"] == "start"
+            and e["dataset"] == dataset and e["time"] > closed_at]
+
+
+def produce_and_wait(stack: Stack, settings: Any, timeout_s: float = 150) -> Any:
+    ledger = stack.ledger()
+    app = stack.app()
+    Producer(settings, app, ledger).run()
+    follow(ledger, 0.3, app=app, timeout_s=timeout_s)
+    return ledger
+
+
+def records(settings: Any, dataset: str) -> list[dict[str, Any]]:
+    return list(iter_records(records_dir(settings.output_dir, dataset)))
+
+
+def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
+        stack: Stack) -> None:
+    # Given: four datasets closing at nearly the same time, short and long-tailed lengths
+    stack.start_simulator("--mean-output-tokens", "300", "--sigma", "1.0",
+                          "--decode-step-s", "0.002", "--max-running-requests", "64")
+    budgets = {"B1": 6000, "B2": 9000, "B3": 12000, "B4": 8000}
+    settings = stack.configure(data_dir=str(partition(stack.tmp, dict.fromkeys(budgets, 200))),
+                               short_concurrency=24, short_max_tokens=1200,
+                               budgets=budgets, token_budget=10**9)
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: everything is produced and the workers run until every dataset closes
+    ledger = produce_and_wait(stack, settings)
+
+    # Then: each dataset closed at its budget, overshooting by at most one response
+    for name, budget in budgets.items():
+        snap = ledger.snapshot(name)
+        assert snap["closed"] == "budget", name
+        assert budget <= snap["tokens"] <= budget + settings.short_max_tokens, (name, snap)
+        assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, name))
+        # ... and no request of a closed dataset left a worker after the close.
+        assert starts_after_close(stack, ledger, name) == []
+        assert snap["stats"]["samples"] < 200  # it really stopped early
+    # Workers stay up and idle: nothing in flight anywhere.
+    assert all(ledger.snapshot(n)["in_flight"] == 0 for n in budgets)
+    assert all(p.alive() for p in stack.procs)
+
+
+def test_a_worker_that_joins_after_the_close_sends_nothing_for_that_dataset(
+        stack: Stack) -> None:
+    # Given: a dataset closed by its budget while tasks of it are still queued
+    stack.start_simulator("--mean-output-tokens", "200", "--decode-step-s", "0.002")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 60, "B2": 10})),
+                               short_concurrency=4, short_max_tokens=600,
+                               budgets={"B1": 1500}, token_budget=10**9)
+    first = stack.worker("short", name="early@%h")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: ledger.closed("B1"), 60, what="B1 to close")
+    first.kill()  # the broadcast revoke of B1 never reaches the next worker
+    closed_at = min(close_times(ledger, "B1"))
+    time.sleep(0.2)
+
+    # When: a new worker joins and drains the queue
+    stack.worker("short", name="late@%h")
+    stack.wait_workers(1)
+    follow(ledger, 0.3, timeout_s=90)
+
+    # Then: it sent B2's requests but none for B1, and counted B1's tasks as revoked
+    log = stack.sim_log()
+    assert not [e for e in log if e["event"] == "start" and e["dataset"] == "B1"
+                and e["time"] > closed_at]
+    assert ledger.snapshot("B2")["stats"]["samples"] == 10
+    assert ledger.snapshot("B1")["stats"].get("revoked", 0) > 0
+
+
+def _write_old_records(out: Path) -> None:
+    """Records of an earlier version: text only, some with a token count, some without."""
+    folder = out / "records" / "B2"
+    write_jsonl(folder / "oldhost-1.jsonl",
+                [{"id": f"B2-{i}", "dataset": "B2", "response": "text",
+                  "completion_tokens": 100} for i in range(5)]
+                + [{"id": f"B2-{i}", "dataset": "B2", "response": "text"} for i in (5, 6)])
+    write_jsonl(out / "records" / "B1" / "oldhost-1.jsonl",
+                [{"id": f"B1-{i}", "dataset": "B1", "output_ids": [7] * 500,
+                  "prompt_ids": [1, 2], "completion_tokens": 500} for i in range(4)])
+
+
+def test_restart_skips_datasets_over_budget_and_resumes_the_rest(stack: Stack) -> None:
+    # Given: records on disk from an earlier run; B1 is over its budget, B2 is not
+    stack.start_simulator("--mean-output-tokens", "50", "--decode-step-s", "0.001")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 10, "B2": 10})),
+                               budgets={"B1": 1500, "B2": 10**6}, token_budget=10**6,
+                               short_concurrency=4, short_max_tokens=200)
+    _write_old_records(Path(settings.output_dir))
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: the producer starts (Redis knows nothing of the run)
+    env = dict(os.environ, **stack.env)
+    result = subprocess.run([sys.executable, "-m", "cli.main", "run"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=150)
+
+    # Then: B1 is skipped with the familiar line; B2 adopts the 5 old records it can count,
+    # reports the 2 it cannot, and generates only the 5 samples not adopted (2 of them old)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "B1: 2,000 tokens >= budget 1,500, skipping" in result.stdout
+    assert "7 in an older format (2 without token counts" in result.stdout
+    ledger = stack.ledger()
+    log = stack.sim_log()
+    assert not [e for e in log if e["dataset"] == "B1"]
+    sent_b2 = sorted(e["rid"] for e in log if e["dataset"] == "B2" and e["event"] == "start")
+    assert len(sent_b2) == 5
+    snap = ledger.snapshot("B2")
+    new_tokens = sum(r["completion_tokens"] for r in records(settings, "B2") if "rid" in r)
+    assert snap["tokens"] == 5 * 100 + new_tokens
+    assert snap["stats"]["samples"] == 10
+
+
+def _budget_cmd(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, **stack.env)
+    return subprocess.run([sys.executable, "-m", "cli.main", "budget", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_lowering_a_budget_closes_at_once_and_raising_it_reopens(stack: Stack) -> None:
+    # Given: a slow run of one dataset
+    stack.start_simulator("--mean-output-tokens", "100", "--decode-step-s", "0.01")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 40})),
+                               short_concurrency=4, short_max_tokens=400, token_budget=10**6)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: ledger.snapshot("B1")["tokens"] > 300, 60, what="some tokens")
+
+    # When: the budget is lowered below what is committed
+    lowered = _budget_cmd(stack, "B1", "200")
+    # Then: the dataset closes at once and no request of it starts afterwards
+    assert lowered.returncode == 0 and "closed" in lowered.stdout, lowered.stderr
+    assert ledger.closed("B1") == "budget"
+    time.sleep(1.5)
+    assert starts_after_close(stack, ledger, "B1") == []
+    done_at_close = ledger.snapshot("B1")["stats"]["samples"]
+    assert done_at_close < 40
+
+    # When: the budget is raised above everything the dataset can produce
+    raised = _budget_cmd(stack, "B1", "1000000")
+    assert raised.returncode == 0 and "reopened" in raised.stdout, raised.stderr
+    follow(ledger, 0.3, timeout_s=120)
+    # Then: the missing samples are generated and every sample is stored once
+    snap = ledger.snapshot("B1")
+    assert snap["closed"] is None and snap["stats"]["samples"] == 40
+    assert len({r["id"] for r in records(settings, "B1")}) == 40
+
+
+def test_abort_policy_discards_partial_outputs(stack: Stack) -> None:
+    # Given: long responses, a small budget, and the abort-on-close policy
+    stack.start_simulator("--mean-output-tokens", "400", "--sigma", "0.3",
+                          "--decode-step-s", "0.01")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 30})),
+                               short_concurrency=8, short_max_tokens=2000,
+                               token_budget=800, abort_on_close=True, precise_admission=False)
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: the dataset closes with requests still in flight
+    ledger = produce_and_wait(stack, settings)
+
+    # Then: the in-flight requests were aborted on the server and nothing partial is stored
+    log = stack.sim_log()
+    assert [e for e in log if e["event"] == "abort" and e["dataset"] == "B1"]
+    stored = records(settings, "B1")
+    assert stored and all(r["finish_reason"]["type"] != "abort" for r in stored)
+    snap = ledger.snapshot("B1")
+    assert snap["stats"]["discarded_tokens"] > 0
+    assert snap["tokens"] == sum(r["completion_tokens"] for r in stored)
+    assert json.dumps(snap)  # the snapshot is plain data (status --json relies on it)
