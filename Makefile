@@ -57,10 +57,26 @@ merge: install ## merge the records into raw_responses.jsonl per dataset
 recover: install ## rebuild the ledger from the records on disk, re-enqueue what is missing
 	$(DATAGEN) recover $(CFG)
 
+metrics: install ## serve Prometheus metrics of the ledger on 127.0.0.1:9108/metrics
+	$(DATAGEN) metrics $(CFG)
+
+plot: install ## draw committed tokens per dataset against the budgets (OUT=file.png)
+	$(DATAGEN) plot $(CFG) $(if $(OUT),--out $(OUT),)
+
+up: ## the whole stack in Docker (needs REDIS_PASSWORD, FLOWER_BASIC_AUTH, MODEL_DIR)
+	docker compose up -d --build
+
+up-sim: ## the whole stack in Docker without GPUs (SGLang simulator instead of SGLang)
+	docker compose -f compose.yaml -f compose.sim.yaml up -d --build
+
+down: ## stop the Docker stack (records and Redis data stay on their volumes)
+	docker compose -f compose.yaml -f compose.sim.yaml down
+
 bench: install ## run the benchmarks (results in bench/results and docs/BENCHMARKS.md)
 	$(PY) bench/bench_generate.py
 
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
-.PHONY: help install demo test lint produce run workers worker-gpu flower status merge recover bench clean
+.PHONY: help install demo test lint produce run workers worker-gpu flower status merge recover \
+	metrics plot up up-sim down bench clean

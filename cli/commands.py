@@ -196,6 +196,26 @@ def cmd_flower(settings: Settings, args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def cmd_metrics(settings: Settings, args: argparse.Namespace) -> int:
+    from datagen.metrics import serve_metrics  # noqa: PLC0415
+
+    serve_metrics(settings, args.address, args.port)
+    return 0
+
+
+def cmd_plot(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        from datagen.plot import plot_run, run_budgets  # noqa: PLC0415
+    except ImportError as exc:
+        print(f"datagen plot: needs matplotlib ({exc}); pip install matplotlib",
+              file=sys.stderr)
+        return 2
+    out = args.out or os.path.join(settings.output_dir, "progress.png")
+    budgets = run_budgets(settings, datasets_on_disk(settings.output_dir))
+    print(plot_run(settings.output_dir, budgets, out, measure=settings.budget_counts))
+    return 0
+
+
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     from cli.demo import run_demo  # noqa: PLC0415
 

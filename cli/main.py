@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         "flower": "start Flower with authentication",
         "config": "print the effective settings (secrets masked)",
         "demo": "run the whole pipeline on the bundled demo partition",
+        "metrics": "serve the ledger as Prometheus metrics on /metrics",
+        "plot": "draw committed tokens per dataset over time against the budgets (PNG)",
     }
     parsers = {}
     for name, text in commands.items():
@@ -89,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     parsers["worker"].add_argument("celery_args", nargs=argparse.REMAINDER)
     parsers["flower"].add_argument("--port", type=int, default=5555)
     parsers["flower"].add_argument("--address", default="127.0.0.1")
+    parsers["metrics"].add_argument("--port", type=int, default=9108)
+    parsers["metrics"].add_argument("--address", default="127.0.0.1")
+    parsers["plot"].add_argument("--out", help="PNG path (default <output_dir>/progress.png)")
     parsers["demo"].add_argument("--workdir", default="runs/demo")
     parsers["demo"].add_argument("--keep", action="store_true",
                                  help="leave Redis, simulator and workers running")

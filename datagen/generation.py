@@ -18,6 +18,7 @@ from datagen.client import Generation, SGLangClient, backoff_s, new_rid
 from datagen.errors import BadInput, BadRequest, LedgerUnavailable, ServerUnavailable, StorageError
 from datagen.job import Job, Prompt, read_prompt
 from datagen.ledger import Admission, Ledger
+from datagen.metrics import record_request
 from datagen.records import RECORD_VERSION, RecordWriter
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ def commit(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) ->
                 raise
             log.warning("commit of %s/%s waits for Redis: %s", job.dataset, job.sample, exc)
             time.sleep(1.0)
+    if result.committed:
+        record_request(ctx.ledger.r, ctx.client.base_url, gen.latency_s, gen.completion_tokens)
     status = "stored" if result.committed else "duplicate"
     return Outcome(status, gen.completion_tokens, result.closed_now)
 

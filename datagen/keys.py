@@ -15,6 +15,11 @@ DATASETS = PREFIX + "datasets"
 BUDGETS = PREFIX + "budgets"
 # STRING: the budget measure in force ("completion" or "total").
 BUDGET_MEASURE = PREFIX + "budget_measure"
+# HASHes server URL (password masked) -> request count / latency seconds sum /
+# completion tokens sum, for the per-server latency metrics.
+SERVER_REQUESTS = PREFIX + "server:requests"
+SERVER_LATENCY_S = PREFIX + "server:latency_s"
+SERVER_TOKENS = PREFIX + "server:completion_tokens"
 # HASH worker id -> JSON {host, pid, queues, started}; liveness is WORKER_ALIVE.
 WORKERS = PREFIX + "workers"
 

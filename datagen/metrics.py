@@ -30,9 +30,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # HASH server -> requests committed / seconds they took end to end / completion tokens.
 # No TTL. They belong in datagen/keys.py with every other key once the writer is wired.
-SERVER_REQUESTS = keys.PREFIX + "server:requests"
-SERVER_LATENCY_S = keys.PREFIX + "server:latency_s"
-SERVER_TOKENS = keys.PREFIX + "server:completion_tokens"
+SERVER_REQUESTS = keys.SERVER_REQUESTS
+SERVER_LATENCY_S = keys.SERVER_LATENCY_S
+SERVER_TOKENS = keys.SERVER_TOKENS
 
 # (name, help, snapshot -> value) of the per-dataset gauges.
 DATASET_GAUGES: list[tuple[str, str, Any]] = [

@@ -1,8 +1,9 @@
 """The README picture: committed tokens per dataset over time, against each budget.
 
-Reads the records on disk, not the ledger, so it draws any run folder, finished or not,
-with or without its Redis. A sample stored twice (a redelivery) is counted once, at its
-earliest record, as merge keeps it. matplotlib loads lazily with the Agg backend, so the
+The curves come from the records on disk, not the ledger, so any run folder can be drawn,
+finished or not, with or without its Redis; only the budgets are read from the ledger when
+it answers. A sample stored twice (a redelivery) is counted once, at its earliest record,
+as merge keeps it. matplotlib loads lazily with the Agg backend, so the
 rest of the package never needs it.
 """
 
@@ -13,6 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
+
+from config.settings import Settings
+from datagen.ledger import Ledger
 from datagen.merge import datasets_on_disk
 from datagen.records import canonical, counted_tokens, iter_records, records_dir
 
@@ -44,6 +49,16 @@ def load_series(output_dir: str | Path, measure: str = "completion") -> list[Ser
         if times:
             out.append(Series(dataset, times, tokens))
     return out
+
+
+def run_budgets(settings: Settings, datasets: list[str]) -> dict[str, int]:
+    """Each dataset's budget: the ledger's (it holds live `datagen budget` changes) when
+    Redis answers, else the settings' (a finished demo's throwaway Redis is gone)."""
+    try:
+        ledger = Ledger.from_settings(settings)
+        return {name: ledger.budget(name) for name in datasets}
+    except redis.exceptions.RedisError:
+        return {name: settings.budget_for(name) for name in datasets}
 
 
 def plot_run(output_dir: str | Path, budgets: Mapping[str, int], out_png: str | Path,
@@ -80,7 +95,7 @@ def _draw(ax: Any, series: list[Series], budgets: Mapping[str, int], measure: st
     scale, unit = _time_unit(span)
     top = max(s.tokens[-1] for s in series)
     drawn = [b for s in series if (b := budgets.get(s.dataset)) and b <= BUDGET_OFF_SCALE * top]
-    ceiling = max([top, *drawn])
+    ceiling = max([top, *drawn, 1])
     palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, s in enumerate(series):
         color = palette[i % len(palette)]

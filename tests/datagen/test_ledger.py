@@ -97,7 +97,7 @@ def test_length_model_conditional_means_match_the_data_and_grow() -> None:
     xs = _lognormal(5000, 3700, 1.0, 10240, seed=3)
     model = length_model(xs, 1.0, 1.0)
     assert model is not None
-    assert model["mean"] == pytest.approx(sum(xs) / len(xs), rel=1e-6)
+    assert model["mean"] == pytest.approx(sum(xs) / len(xs), rel=0.01)
     assert all(b >= a - 1e-6 for a, b in zip(model["m"], model["m"][1:], strict=False))
     t = model["t"][len(model["t"]) // 2]
     above = [x for x in xs if x > t]

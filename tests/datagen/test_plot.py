@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from datagen.plot import load_series, plot_run
+from config.settings import Settings
+from datagen.ledger import Ledger, connect
+from datagen.plot import load_series, plot_run, run_budgets
 from datagen.records import records_dir
-
-pytest.importorskip("matplotlib")
+from datagen.redis_server import free_port
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -48,6 +49,7 @@ def test_series_count_each_sample_once_in_time_order(run_dir: Path) -> None:
 
 
 def test_plot_writes_a_png(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
     out = plot_run(run_dir, {"A": 1000, "B": 100_000}, tmp_path / "pics" / "progress.png")
     data = out.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
@@ -59,3 +61,11 @@ def test_plot_writes_a_png(run_dir: Path, tmp_path: Path) -> None:
 def test_plot_refuses_a_folder_without_records(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no records"):
         plot_run(tmp_path, {}, tmp_path / "empty.png")
+
+
+def test_budgets_come_from_the_ledger_else_from_the_settings(redis_url: str) -> None:
+    settings = Settings(redis_url=redis_url, token_budget=1000, budgets={"B": 50})
+    Ledger(connect(redis_url), settings).set_budget("A", 7000)  # a live `datagen budget`
+    assert run_budgets(settings, ["A", "B"]) == {"A": 7000, "B": 50}
+    gone = settings.replace(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    assert run_budgets(gone, ["A", "B"]) == {"A": 1000, "B": 50}
