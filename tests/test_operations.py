@@ -1,0 +1,150 @@
+"""Operating a run: Flower, status output, and adding machines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+from conftest import Stack, wait_until, write_jsonl
+
+from cli.commands import follow
+from cli.stack import REPO, Process
+from datagen.redis_server import free_port
+from producers.producer import Producer
+
+
+def partition(root: Path, sizes: dict[str, int]) -> Path:
+    for name, n in sizes.items():
+        write_jsonl(root / "partition" / f"{name}.jsonl",
+                    [{"id": f"{name}-{i:03d}", "prompt": f"topic {i}"} for i in range(n)])
+    return root / "partition"
+
+
+def start_flower(stack: Stack, auth: str) -> str:
+    port = free_port()
+    env = dict(os.environ, **stack.env, DATAGEN_FLOWER_BASIC_AUTH=auth)
+    proc = Process("flower", [sys.executable, "-m", "cli.main", "flower", "--port", str(port)],
+                   stack.tmp / "logs" / "flower.log", env)
+    stack.procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _answers(url), 60, what="Flower to answer")
+    return url
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/healthcheck", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
+        stack: Stack) -> None:
+    # Given: a run where one dataset closes early with tasks still queued
+    stack.start_simulator("--lengths", "fixed:100", "--decode-step-s", "0.005")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 40, "B2": 6})),
+                               short_concurrency=2, short_max_tokens=200,
+                               budgets={"B1": 300}, token_budget=10**6)
+    stack.worker("short", name="short-a@%h")
+    stack.wait_workers(1)
+    url = start_flower(stack, "ops:s3cret-pass")
+    auth = ("ops", "s3cret-pass")
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+
+    # Flower sees the queue while it is long, and refuses requests without credentials
+    lengths = requests.get(f"{url}/api/queues/length", auth=auth, timeout=10).json()
+    assert {q["name"] for q in lengths["active_queues"]} >= {"short"}
+    assert requests.get(f"{url}/api/workers", timeout=10).status_code == 401
+    assert requests.get(f"{url}/api/tasks", auth=("ops", "wrong"), timeout=10).status_code == 401
+
+    follow(ledger, 0.3, app=stack.app(), timeout_s=120)
+
+    # Then: the worker is listed, and the closed dataset's dropped tasks show as revoked
+    def workers() -> dict[str, Any]:
+        return requests.get(f"{url}/api/workers?refresh=1", auth=auth, timeout=20).json()
+    wait_until(lambda: any(name.startswith("short-a@") for name in workers()), 60,
+               what="Flower to list the worker")
+
+    def revoked() -> int:
+        tasks = requests.get(f"{url}/api/tasks", params={"state": "REVOKED"}, auth=auth,
+                             timeout=20).json()
+        return len(tasks)
+    wait_until(lambda: revoked() > 0, 30, what="revoked tasks in Flower")
+    assert ledger.snapshot("B1")["stats"]["revoked"] > 0
+
+
+def test_status_json_equals_the_ledger(stack: Stack) -> None:
+    stack.start_simulator("--lengths", "fixed:50", "--decode-step-s", "0.002")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 8, "B2": 5})),
+                               short_concurrency=4, short_max_tokens=100,
+                               budgets={"B2": 120}, token_budget=10**6)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    follow(ledger, 0.3, app=stack.app(), timeout_s=120)
+
+    env = dict(os.environ, **stack.env)
+    out = subprocess.run([sys.executable, "-m", "cli.main", "status", "--json"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = {r["dataset"]: r for r in json.loads(out.stdout)}
+    for name in ("B1", "B2"):
+        snap = ledger.snapshot(name)
+        assert rows[name]["tokens"] == snap["tokens"]
+        assert rows[name]["budget"] == snap["budget"]
+        assert rows[name]["samples"] == snap["stats"]["samples"]
+        assert rows[name]["in_flight"] == snap["in_flight"] == 0
+    assert rows["B1"]["state"] == "done" and rows["B1"]["samples"] == 8
+    assert rows["B2"]["state"] == "closed at budget"
+    table = subprocess.run([sys.executable, "-m", "cli.main", "status"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert "closed at budget" in table.stdout and "total" in table.stdout
+
+
+def _timed_run(stack: Stack, settings: Any) -> float:
+    ledger = stack.ledger()
+    started = time.monotonic()
+    Producer(settings, stack.app(), ledger).run()
+    follow(ledger, 0.2, app=stack.app(), timeout_s=180)
+    return time.monotonic() - started
+
+
+def _peak_running(url: str) -> int:
+    return int(requests.get(f"{url}/_sim/stats", timeout=5).json()["peak_running"])
+
+
+def test_a_second_machine_adds_its_own_limits_and_finishes_sooner(stack: Stack) -> None:
+    # Given: one server with room for 4 requests, and a worker pair with the same limit
+    sim_args = ("--lengths", "fixed:150", "--decode-step-s", "0.01",
+                "--max-running-requests", "4")
+    first = stack.start_simulator(*sim_args, name="sim-a")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 32})),
+                               short_concurrency=4, long_concurrency=1, short_max_tokens=200)
+    stack.worker("short", name="a-short@%h")
+    stack.worker("long", name="a-long@%h")
+    stack.wait_workers(2)
+    alone = _timed_run(stack, settings)
+
+    # When: a second machine joins: its own server and worker pair, same Redis and output
+    second = stack.start_simulator(*sim_args, name="sim-b")
+    stack.worker("short", name="b-short@%h", server_url=second)
+    stack.worker("long", name="b-long@%h", server_url=second)
+    stack.wait_workers(4)
+    settings2 = stack.configure(data_dir=str(partition(stack.tmp / "second", {"B2": 32})),
+                                short_concurrency=4, long_concurrency=1, short_max_tokens=200)
+    together = _timed_run(stack, settings2)
+
+    # Then: each server saw at most its own limit, and the run finished much sooner
+    assert _peak_running(first) <= 4 and _peak_running(second) <= 4
+    b2_servers = {e["rid"]: url for url in (first, second) for e in stack.sim_log(url)
+                  if e["event"] == "finish" and e["dataset"] == "B2"}
+    assert set(b2_servers.values()) == {first, second}
+    assert together < 0.75 * alone, (alone, together)
