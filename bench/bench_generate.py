@@ -247,10 +247,13 @@ class Monitor(threading.Thread):
         self._sim.cpu_percent(None)
         ticks = 0
         while not self._halt.wait(0.5):
-            self.sim_cpu.append(self._sim.cpu_percent(None))
-            ticks += 1
-            if self.ledger is not None and ticks % 4 == 0:
-                self._sample_workers()
+            try:
+                self.sim_cpu.append(self._sim.cpu_percent(None))
+                ticks += 1
+                if self.ledger is not None and ticks % 4 == 0:
+                    self._sample_workers()
+            except psutil.Error:  # a process went away: the run is being torn down
+                return
 
     def _sample_workers(self) -> None:
         entries = self.ledger.in_flight(self.dataset).values()
@@ -291,7 +294,8 @@ def occupancy(log: list[dict[str, Any]], begin: float, end: float, limit: int
             full_at = t
     span = steps[-1][0] - first
     window = last_start - (full_at or last_start)
-    return {"lead_s": round(first - begin, 3), "ramp_s": round((full_at or first) - first, 3),
+    return {"lead_s": round(first - begin, 3),
+            "ramp_s": round(full_at - first, 3) if full_at else None,  # None: never full
             "steady_in_flight": round(steady / window, 2) if window > 0 else None,
             "mean_in_flight": round(area / span, 2), "server_span_s": round(span, 3),
             "drain_s": round(end - steps[-1][0], 3)}
@@ -483,9 +487,9 @@ def print_table(rows: list[tuple[str, str, str, str]]) -> None:
 def print_run(r: dict[str, Any]) -> None:
     s = r["server"]
     print(f"round {r['round']} {r['mode']:<8} {r['tokens']:>9,} tokens in {r['wall_s']:5.1f}s = "
-          f"{r['tokens_per_s']:>7,.0f} tokens/s; lead {s['lead_s']:.2f}s, ramp "
-          f"{s['ramp_s']:.2f}s, steady in flight {s['steady_in_flight']}, drain "
-          f"{s['drain_s']:.2f}s; other jobs {r['cores_used']['others']:.2f} cores", flush=True)
+          f"{r['tokens_per_s']:>7,.0f} tokens/s; lead {s['lead_s']}s, ramp {s['ramp_s']}s, "
+          f"steady in flight {s['steady_in_flight']}, drain {s['drain_s']}s; "
+          f"other jobs {r['cores_used']['others']:.2f} cores", flush=True)
 
 
 # -- main -----------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""`make demo`: the whole generation phase on the bundled partition, on this machine.
+"""`make demo`: the whole pipeline on the bundled partition, on this machine.
 
 Starts a throwaway Redis, the SGLang simulator, a short and a long worker (the
 same `datagen worker` commands an operator runs), produces, follows progress,
-prints the per-dataset summary, merges, and shuts everything down.
+prints the per-dataset summary and merges. Then the extraction phase: a tiny
+random Llama stands in for the target model, `prepare` writes the training set,
+one `gpu` worker (on the CPU here) extracts the hidden states through the queue,
+and one file is checked against SpecForge's contract. Everything is shut down at
+the end.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from cli.commands import _merge_all, follow, render_produce
+from cli.commands import _committed_maps, _decoder, _merge_all, cmd_extract, follow, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
 from datagen import status as status_mod
@@ -21,8 +25,12 @@ from datagen.celery_app import make_app
 from datagen.ledger import Ledger
 from datagen.redis_server import RedisServer
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer
+from datagen.training_set import extraction_dir, prepare, render
 
 DEMO_CONFIG = REPO / "config" / "demo.toml"
+# Small shards so the progress shows; the tiny model keeps the CPU forward to a few seconds.
+EXTRACT_ENV = {"DATAGEN_SHARD_SAMPLES": "64", "DATAGEN_EXTRACT_BATCH_TOKENS": "8192",
+               "DATAGEN_EXTRACT_WRITER_THREADS": "2"}
 SIMULATOR_ARGS = ["--max-running-requests", "48", "--mean-output-tokens", "300",
                   "--sigma", "0.8", "--decode-step-s", "0.004", "--prefill-tokens-per-s",
                   "200000", "--context-length", "8192", "--seed", "7"]
@@ -53,7 +61,13 @@ def run_demo(args: argparse.Namespace) -> int:
             procs += workers
             wait_for_workers(redis_server.url, 2, procs=workers)
             print("demo: short and long workers are up", flush=True)
-            return _produce_and_follow(started)
+            _produce_and_follow(started)
+            for worker in workers:  # generation is over: the CPU goes to extraction
+                worker.stop()
+            env.update(EXTRACT_ENV, DATAGEN_MODEL_PATH=str(workdir / "model"))
+            os.environ.update(env)
+            procs.append(start_worker("gpu", child_env(env), logs))
+            return _extract(workdir, tokenizer, encoder.vocab_size, started)
         finally:
             if not args.keep:
                 for proc in reversed(procs):
@@ -73,6 +87,44 @@ def _produce_and_follow(started: float) -> int:
     print(status_mod.render(table))
     _merge_all(settings, ledger)
     closed = [r.dataset for r in table if r.state.startswith("closed")]
-    print(f"\ndemo finished in {time.monotonic() - started:.0f}s; closed by budget: "
-          f"{', '.join(closed) or 'none'}; records under {settings.output_dir}")
+    print(f"\ngeneration finished in {time.monotonic() - started:.0f}s; closed by budget: "
+          f"{', '.join(closed) or 'none'}; records under {settings.output_dir}", flush=True)
     return 0
+
+
+def _extract(workdir: Path, tokenizer: Path, vocab_size: int, started: float) -> int:
+    from datagen.tiny_model import build_tiny_llama  # noqa: PLC0415 (torch)
+
+    print("\nextraction: tiny random Llama as the target model, one gpu worker on the CPU",
+          flush=True)
+    build_tiny_llama(workdir / "model", vocab_size, tokenizer_dir=tokenizer)
+    settings = load_settings(DEMO_CONFIG)
+    tset = prepare(settings, _committed_maps(settings), _decoder(settings))
+    print(render(tset), flush=True)
+    code = cmd_extract(settings, argparse.Namespace(force=False, no_wait=False, interval=1.0,
+                                                    timeout_s=240, hidden_size=None))
+    out = extraction_dir(settings)
+    print(_check_one_file(out, tset.shards[0]["path"], settings.output_dir))
+    print(f"\ndemo finished in {time.monotonic() - started:.0f}s\n"
+          f"  training set (shards, manifest):  {tset.directory}\n"
+          f"  conversations for online training: {tset.conversations}\n"
+          f"  SpecForge hidden states:           {out}  (data_<idx>.ckpt under rows_*/)")
+    return code
+
+
+def _check_one_file(out: Path, shard: str, output_dir: str) -> str:
+    """Load the first sample's file and compare it with its record, as SpecForge reads it."""
+    import json  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    with open(Path(output_dir) / shard, encoding="utf-8") as fh:
+        rec = json.loads(fh.readline())
+    path = next(out.rglob(f"data_{rec['idx']}.ckpt"))
+    data = torch.load(path, weights_only=True)
+    ids = rec["prompt_ids"] + rec["output_ids"]
+    assert data["input_ids"].tolist() == ids[:len(data["input_ids"])], "input_ids differ"
+    assert int(data["loss_mask"].sum()) == len(data["input_ids"]) - len(rec["prompt_ids"])
+    shapes = ", ".join(f"{k} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+                       for k, v in data.items())
+    return f"checked {path.relative_to(out)}: {shapes}"

@@ -75,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
         "demo": "run the whole pipeline on the bundled demo partition",
         "metrics": "serve the ledger as Prometheus metrics on /metrics",
         "plot": "draw committed tokens per dataset over time against the budgets (PNG)",
+        "prepare": "merge, filter, deduplicate, shuffle and shard the records into the "
+                   "training set",
+        "extract": "enqueue hidden-state extraction of every shard not done, follow progress",
+        "estimate": "disk bytes and hours of hidden-state extraction, with the arithmetic",
+        "calibrate": "measure extraction tokens/s on this machine's device and store it",
     }
     parsers = {}
     for name, text in commands.items():
@@ -94,10 +99,35 @@ def _parser() -> argparse.ArgumentParser:
     parsers["metrics"].add_argument("--port", type=int, default=9108)
     parsers["metrics"].add_argument("--address", default="127.0.0.1")
     parsers["plot"].add_argument("--out", help="PNG path (default <output_dir>/progress.png)")
+    _add_extraction_flags(parsers)
     parsers["demo"].add_argument("--workdir", default="runs/demo")
     parsers["demo"].add_argument("--keep", action="store_true",
                                  help="leave Redis, simulator and workers running")
     return parser
+
+
+def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
+    parsers["prepare"].add_argument("--force", action="store_true",
+                                    help="rewrite the shards even if extraction started on "
+                                         "a different training set")
+    ext = parsers["extract"]
+    ext.add_argument("--force", action="store_true", help="start even if the disk check fails")
+    ext.add_argument("--no-wait", action="store_true", help="enqueue and return")
+    ext.add_argument("--interval", type=float, default=2.0)
+    ext.add_argument("--timeout-s", type=float, default=None)
+    ext.add_argument("--hidden-size", type=int, help="instead of the model's config.json")
+    est = parsers["estimate"]
+    est.add_argument("--tokens", action="append", metavar="N|DATASET=N",
+                     help="token count to plan for (repeat for several datasets)")
+    est.add_argument("--budgeted", action="store_true",
+                     help="plan for the budgets instead of the tokens done")
+    est.add_argument("--hidden-size", type=int)
+    est.add_argument("--num-layers", type=int)
+    est.add_argument("--gpus", type=int, default=1)
+    est.add_argument("--tokens-per-s", type=float, help="per GPU (default: the calibration)")
+    cal = parsers["calibrate"]
+    cal.add_argument("--seq-len", type=int, default=4096)
+    cal.add_argument("--batches", type=int, default=4)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,9 @@ from urllib.parse import urlsplit, urlunsplit
 ENV_PREFIX = "DATAGEN_"
 CONFIG_ENV = "DATAGEN_CONFIG"
 BUDGET_MEASURES = ("completion", "total")
+EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
+EXTRACT_OVERLONG = ("truncate", "skip")
+EXTRACT_FORMATS = ("ckpt", "safetensors")
 
 
 class SettingsError(ValueError):
@@ -82,6 +85,29 @@ class Settings:
     # Flower: "user:password"; `datagen flower` generates one when empty.
     flower_basic_auth: str = ""
 
+    # Training set (`datagen prepare`): <output_dir>/training/{shards,manifest.json,...}.
+    shard_samples: int = 2000  # samples per shard = per `gpu` task
+    shuffle_seed: int = 0
+
+    # Hidden-state extraction on the `gpu` queue (one worker per GPU).
+    model_path: str = ""  # local HF model folder of the target model
+    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
+    # Decoder layers whose outputs are the aux states; None: SpecForge's [1, N//2-1, N-4].
+    # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
+    aux_layer_ids: list[int] | None = None
+    extract_dtype: str = "bfloat16"
+    extract_device: str = "auto"  # "auto": cuda when there is one (CUDA_VISIBLE_DEVICES)
+    extract_attn_implementation: str = "sdpa"
+    extract_max_length_tokens: int = 16384  # longer samples: extract_overlong decides
+    extract_overlong: str = "truncate"  # "truncate" keeps the first tokens, "skip" drops
+    extract_batch_tokens: int = 32768  # tokens per forward batch (the unit of OOM splitting)
+    extract_file_format: str = "ckpt"  # "ckpt" (SpecForge) or "safetensors"
+    extract_writer_threads: int = 4
+    extract_max_retries: int = 2  # whole-shard failures: Celery retries, then dead-letter
+    extract_retry_countdown_s: float = 30.0
+    extraction_dir: str = ""  # "": <output_dir>/training/hidden_states
+    calibration_path: str = ""  # "": <output_dir>/calibration.json
+
     def __post_init__(self) -> None:
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
                   "long_max_tokens", "long_threshold_tokens", "token_budget",
@@ -96,10 +122,27 @@ class Settings:
         for name, budget in self.budgets.items():
             if not isinstance(budget, int) or budget < 0:
                 raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
+        _positive(self, "shard_samples", "extract_max_length_tokens", "extract_batch_tokens",
+                  "extract_writer_threads")
+        self._check_extraction()
         for url_field in ("redis_url", "server_url"):
             if "://" not in getattr(self, url_field):
                 raise SettingsError(f"{url_field}: {masked_url(getattr(self, url_field))!r} "
                                     "is not a URL")
+
+    def _check_extraction(self) -> None:
+        for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
+                              ("extract_overlong", EXTRACT_OVERLONG),
+                              ("extract_file_format", EXTRACT_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise SettingsError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
+        if self.extract_max_retries < 0 or self.extract_retry_countdown_s < 0:
+            raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
+                                f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
+                                "must be >= 0")
+        if self.aux_layer_ids is not None:
+            # frozen: the one normalisation, from the environment's string to a list
+            object.__setattr__(self, "aux_layer_ids", _layer_ids(self.aux_layer_ids))
 
     def budget_for(self, dataset: str) -> int:
         return self.budgets.get(dataset, self.token_budget)
@@ -129,6 +172,22 @@ def _positive(settings: Settings, *names: str) -> None:
         value = getattr(settings, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SettingsError(f"{name}: {value!r} must be an integer >= 1")
+
+
+def _layer_ids(value: Any) -> list[int] | None:
+    """aux_layer_ids from TOML (a list) or the environment ("1,15,28" or "[1, 15, 28]")."""
+    if isinstance(value, str):
+        text = value.strip().strip("[]")
+        if not text:
+            return None
+        try:
+            value = [int(part) for part in text.split(",")]
+        except ValueError as exc:
+            raise SettingsError(f"aux_layer_ids: {value!r} is not a list of integers") from exc
+    if (not isinstance(value, list | tuple) or not value
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)):
+        raise SettingsError(f"aux_layer_ids: {value!r} must be a list of layer ids >= 0")
+    return list(value)
 
 
 def masked_url(url: str) -> str:

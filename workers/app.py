@@ -4,6 +4,7 @@ The app comes from datagen.celery_app with settings from the environment
 (``DATAGEN_CONFIG`` and ``DATAGEN_*``), exactly as the producer and Flower build it.
 """
 
+import workers.extract  # noqa: E402,F401  (registers datagen.extract; torch loads lazily)
 import workers.generate  # noqa: E402,F401  (registers datagen.generate)
 from datagen.celery_app import app
 
