@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,10 +118,10 @@ class Producer:
         try:
             # One Redis pipeline per batch of messages (kombu 5.7's Producer.batch), not
             # one round trip and one client object per message.
+            batches = _batches(read_dataset(dataset, path), BATCH)
             with self.app.producer_or_acquire() as producer, producer.batch(BATCH):
-                for batch in _batches(read_dataset(dataset, path), BATCH):
-                    fresh = self._filter(batch, report, done, queued)
-                    jobs = self._prepare(fresh, report, store, epoch, cap)
+                for fresh, ids_list in self._tokenized(batches, report, done, queued):
+                    jobs = self._prepare(fresh, ids_list, report, store, epoch, cap)
                     store.flush()
                     self._send(dataset, jobs, producer)
                     report.enqueued += len(jobs)
@@ -165,14 +166,28 @@ class Producer:
                 fresh.append(item)
         return fresh
 
-    def _prepare(self, prompts: list[Prompt], report: DatasetReport, store: PromptStore,
-                 epoch: int, cap: int | None) -> list[Job]:
+    def _tokenized(self, batches: Iterator[list[Prompt | BadRecord]], report: DatasetReport,
+                   done: set[str], queued: set[str]
+                   ) -> Iterator[tuple[list[Prompt], list[list[int] | None]]]:
+        """Fresh prompts and their ids per batch, tokenized one batch ahead in a thread:
+        the Rust tokenizer releases the GIL, so it overlaps with publishing."""
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
+            ahead: tuple[list[Prompt], Future[list[list[int] | None]]] | None = None
+            for batch in batches:
+                fresh = self._filter(batch, report, done, queued)
+                future = pool.submit(self._encode, fresh, report)
+                if ahead is not None:
+                    yield ahead[0], ahead[1].result()
+                ahead = (fresh, future)
+            if ahead is not None:
+                yield ahead[0], ahead[1].result()
+
+    def _prepare(self, prompts: list[Prompt], ids_list: list[list[int] | None],
+                 report: DatasetReport, store: PromptStore, epoch: int, cap: int | None
+                 ) -> list[Job]:
         if cap is not None:
             report.over_cap += max(0, len(prompts) - cap)
-            prompts = prompts[:cap]
-        if not prompts:
-            return []
-        ids_list = self._encode(prompts, report)
+            prompts, ids_list = prompts[:cap], ids_list[:cap]
         jobs = []
         for prompt, ids in zip(prompts, ids_list, strict=True):
             if ids is None:
@@ -190,6 +205,8 @@ class Producer:
         return jobs
 
     def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[list[int] | None]:
+        if not prompts:
+            return []
         try:
             return list(self.encoder.encode_batch([p.messages for p in prompts]))
         except ValueError:
