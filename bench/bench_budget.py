@@ -5,7 +5,7 @@ simulator (mean ~3.7K tokens, lognormal tail), with both admission rules side
 by side in one run, and reports overshoot, discarded tokens, requests started
 after the close, and the time between 95% of the budget and the close.
 
-    .venv/bin/python bench/bench_budget.py            # budget 2M, 150 workers, 2 rounds
+    .venv/bin/python bench/bench_budget.py            # budget 2M, 150 workers, 3 rounds
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=10240)
     p.add_argument("--decode-step-s", type=float, default=0.0006)
-    p.add_argument("--rounds", type=int, default=1, help="rounds of (precise, naive)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of (precise, naive)")
+    p.add_argument("--margin-sd", type=float, default=None,
+                   help="admission_margin_sd for the precise rule (default: the setting's)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "budget.json"))
     return p.parse_args()
 
@@ -92,6 +94,8 @@ def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Pat
                "DATAGEN_SHORT_CONCURRENCY": str(args.workers),
                "DATAGEN_SHORT_MAX_TOKENS": str(args.max_new_tokens),
                "DATAGEN_PRECISE_ADMISSION": str(precise), "DATAGEN_LEASE_S": "10"}
+        if args.margin_sd is not None:
+            env["DATAGEN_ADMISSION_MARGIN_SD"] = str(args.margin_sd)
         worker = start_worker("short", child_env(env), logs, name=f"bench{int(precise)}@%h")
         try:
             wait_for_workers(srv.url, 1, procs=[worker])

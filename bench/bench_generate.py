@@ -513,6 +513,16 @@ def run_phases(bench: Bench, phases: set[str]) -> dict[str, Any]:
     return results
 
 
+def code_digests() -> dict[str, str]:
+    """sha256 prefixes of the files on the measured path: the tree may hold uncommitted work."""
+    import hashlib  # noqa: PLC0415
+
+    return {name: hashlib.sha256((REPO / name).read_bytes()).hexdigest()[:12] for name in (
+        "producers/producer.py", "datagen/guard.py", "datagen/celery_app.py", "datagen/job.py",
+        "datagen/ledger.py", "datagen/generation.py", "datagen/client.py",
+        "datagen/records.py", "workers/generate.py")}
+
+
 def machine(load_at_start: list[float]) -> dict[str, Any]:
     return {"cores": os.cpu_count(), "python": platform.python_version(),
             "platform": platform.platform(), "load_average_at_start": load_at_start,
@@ -523,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop every child
     started, load = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
+    code = code_digests()  # at the start: other work may change the tree during the run
     tmp = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     try:
         tokenizer = build_tiny_tokenizer(tmp / "tokenizer")
@@ -541,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(table=table(results), runtime_s=round(time.monotonic() - started, 1),
                    command=" ".join([".venv/bin/python bench/bench_generate.py", *sys.argv[1:]]),
                    date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine=machine(load),
+                   code=code,
                    args=vars(args))
     print_table(results["table"])
     print(f"runtime {results['runtime_s']:.0f}s; results in {args.out}")

@@ -84,9 +84,13 @@ class Settings:
 
     # Flower: "user:password"; `datagen flower` generates one when empty.
     flower_basic_auth: str = ""
+    # Task-sent events for the producer's bulk enqueue. Off: Flower shows the queue lengths
+    # and every task from the moment a worker receives it, and the producer is ~1.6x faster.
+    # On: Flower also lists each queued task as PENDING (100,000 of them, in its memory).
+    bulk_sent_events: bool = False
 
     # Training set (`datagen prepare`): <output_dir>/training/{shards,manifest.json,...}.
-    shard_samples: int = 2000  # samples per shard = per `gpu` task
+    shard_samples: int = 500  # samples per shard = per `gpu` task (~1.5M tokens at 3K)
     shuffle_seed: int = 0
 
     # Hidden-state extraction on the `gpu` queue (one worker per GPU).

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +120,8 @@ class Producer:
             # One Redis pipeline per batch of messages (kombu 5.7's Producer.batch), not
             # one round trip and one client object per message.
             batches = _batches(read_dataset(dataset, path), BATCH)
-            with self.app.producer_or_acquire() as producer, producer.batch(BATCH):
+            with self.app.producer_or_acquire() as producer, producer.batch(BATCH), \
+                    _sent_events(self.app, self.settings.bulk_sent_events):
                 for fresh, ids_list in self._tokenized(batches, report, done, queued):
                     jobs = self._prepare(fresh, ids_list, report, store, epoch, cap)
                     store.flush()
@@ -232,6 +234,17 @@ class Producer:
         path = Path(self.settings.output_dir) / REPORTS_DIR / f"{report.dataset}.bad.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(report.bad) + "\n", encoding="utf-8")
+
+
+@contextmanager
+def _sent_events(app: Celery, enabled: bool) -> Iterator[None]:
+    """Task-sent events on or off for the bulk enqueue only (see ``bulk_sent_events``)."""
+    before = app.conf.task_send_sent_event
+    app.conf.task_send_sent_event = enabled
+    try:
+        yield
+    finally:
+        app.conf.task_send_sent_event = before
 
 
 def _batches(items: Iterable[Prompt | BadRecord], size: int
