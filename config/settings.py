@@ -36,79 +36,74 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     # Where things are.
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    server_url: str = "http://127.0.0.1:30000"
-    api_key: str | None = None
-    data_dir: str = "data/demo/partition"
-    partition: str = "all"
-    output_dir: str = "runs/default"
-    tokenizer_path: str = ""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    redis_url: str = "redis://127.0.0.1:6379/0"  # broker + ledger; :password@, rediss:// TLS
+    server_url: str = "http://127.0.0.1:30000"  # SGLang server or router (/generate)
+    api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
+    data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
+    partition: str = "all"  # datasets to run: "all" or a comma list of names
+    output_dir: str = "runs/default"  # shared by every host: prompts, records, training data
+    tokenizer_path: str = ""  # local tokenizer (with chat template) of the target model
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
 
     # Queues: one source for the worker start commands (Makefile, compose).
-    long_threshold_tokens: int = 2048
-    short_concurrency: int = 150
-    short_max_tokens: int = 10240
-    long_concurrency: int = 32
-    long_max_tokens: int = 16384
-    context_length: int | None = None
-    sampling_params: dict[str, Any] = field(
+    long_threshold_tokens: int = 2048  # prompts longer than this go to the `long` queue
+    short_concurrency: int = 150  # threads of a `short` worker = its requests in flight
+    short_max_tokens: int = 10240  # max_new_tokens of short prompts
+    long_concurrency: int = 32  # threads of a `long` worker
+    long_max_tokens: int = 16384  # max_new_tokens of long prompts
+    context_length: int | None = None  # None: read from the server's /server_info
+    sampling_params: dict[str, Any] = field(  # SGLang sampling_params besides max_new_tokens
         default_factory=lambda: {"temperature": 0.7, "top_p": 0.95}
     )
 
     # Budgets.
-    token_budget: int = 10_000_000
-    budgets: dict[str, int] = field(default_factory=dict)
-    budget_counts: str = "completion"
-    max_samples: int | None = None
-    keep_truncated: bool = True
+    token_budget: int = 10_000_000  # default budget of every dataset, in tokens
+    budgets: dict[str, int] = field(default_factory=dict)  # per-dataset overrides
+    budget_counts: str = "completion"  # what counts: "completion" or "total" (+ prompt)
+    max_samples: int | None = None  # also close a dataset after this many samples
+    keep_truncated: bool = True  # keep responses cut at max_new_tokens (else dead-letter)
     abort_on_close: bool = False  # abort in-flight requests when a dataset closes
     precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
-    # Admission keeps this many standard deviations of what is in flight in reserve:
-    # higher lands closer to the budget from below, at the price of a slower finish.
-    admission_margin_sd: float = 1.0
+    # Higher lands closer to the budget from below, at the price of a slower finish.
+    admission_margin_sd: float = 1.0  # reserve, in sd of what is in flight, at admission
 
     # HTTP: every call carries both timeouts (the threads pool cannot kill a task).
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 7200.0
-    max_retries: int = 5
-    retry_backoff_s: float = 2.0
+    connect_timeout_s: float = 10.0  # connect timeout of every HTTP call
+    read_timeout_s: float = 7200.0  # read timeout; on expiry the request is aborted on SGLang
+    max_retries: int = 5  # retries of a failing request while the server is healthy
+    retry_backoff_s: float = 2.0  # base of the exponential backoff (full jitter)
 
     # Celery/kombu. Early ack + no prefetch runs each task once (REFERENCE §4);
     # lost work after a crash is found through the ledger's leases instead.
-    visibility_timeout_s: int = 43_200
-    worker_pool: str = "threads"
-    lease_s: float = 30.0
-    # SIGTERM: in-flight requests get this long to finish, then are aborted and handed back.
-    shutdown_grace_s: float = 30.0
+    visibility_timeout_s: int = 43_200  # kombu's; must be the same in every process
+    worker_pool: str = "threads"  # pool of the short/long workers
+    lease_s: float = 30.0  # a worker silent this long has its in-flight samples re-run
+    shutdown_grace_s: float = 30.0  # SIGTERM: then in-flight requests are aborted, handed back
 
-    # Flower: "user:password"; `datagen flower` generates one when empty.
-    flower_basic_auth: str = ""
-    # Task-sent events for the producer's bulk enqueue. Off: Flower shows the queue lengths
-    # and every task from the moment a worker receives it, and the producer is ~1.6x faster.
-    # On: Flower also lists each queued task as PENDING (100,000 of them, in its memory).
-    bulk_sent_events: bool = False
+    flower_basic_auth: str = ""  # "user:password"; `datagen flower` makes one when empty
+    # Off: Flower shows queue lengths and every task from the moment a worker receives it,
+    # and the producer is ~1.6x faster. On: Flower also lists each queued task as PENDING.
+    bulk_sent_events: bool = False  # task-sent events for the producer's bulk enqueue
 
     # Training set (`datagen prepare`): <output_dir>/training/{shards,manifest.json,...}.
     shard_samples: int = 500  # samples per shard = per `gpu` task (~1.5M tokens at 3K)
-    shuffle_seed: int = 0
+    shuffle_seed: int = 0  # seed of the training set's shuffle
 
     # Hidden-state extraction on the `gpu` queue (one worker per GPU).
     model_path: str = ""  # local HF model folder of the target model
     trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
-    # Decoder layers whose outputs are the aux states; None: SpecForge's [1, N//2-1, N-4].
     # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
-    aux_layer_ids: list[int] | None = None
-    extract_dtype: str = "bfloat16"
+    aux_layer_ids: list[int] | None = None  # aux decoder layers; None: [1, N//2-1, N-4]
+    extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states
     extract_device: str = "auto"  # "auto": cuda when there is one (CUDA_VISIBLE_DEVICES)
-    extract_attn_implementation: str = "sdpa"
+    extract_attn_implementation: str = "sdpa"  # transformers attn_implementation
     extract_max_length_tokens: int = 16384  # longer samples: extract_overlong decides
     extract_overlong: str = "truncate"  # "truncate" keeps the first tokens, "skip" drops
     extract_batch_tokens: int = 32768  # tokens per forward batch (the unit of OOM splitting)
     extract_file_format: str = "ckpt"  # "ckpt" (SpecForge) or "safetensors"
-    extract_writer_threads: int = 4
+    extract_writer_threads: int = 4  # threads writing files while the next batch runs
     extract_max_retries: int = 2  # whole-shard failures: Celery retries, then dead-letter
-    extract_retry_countdown_s: float = 30.0
+    extract_retry_countdown_s: float = 30.0  # wait before a shard's retry
     extraction_dir: str = ""  # "": <output_dir>/training/hidden_states
     calibration_path: str = ""  # "": <output_dir>/calibration.json
 
