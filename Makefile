@@ -7,6 +7,7 @@ DATAGEN := $(PY) -m cli.main
 CONFIG ?=
 CFG := $(if $(CONFIG),--config $(CONFIG),)
 PYTEST_ARGS ?=
+ARGS ?=
 
 .DEFAULT_GOAL := help
 
@@ -54,6 +55,18 @@ status: install ## one table of every dataset's budget, tokens and state
 merge: install ## merge the records into raw_responses.jsonl per dataset
 	$(DATAGEN) merge $(CFG)
 
+prepare: install ## merge, dedup, shuffle and shard the records into training/ (+ conversations)
+	$(DATAGEN) prepare $(CFG)
+
+extract: install ## enqueue hidden-state extraction of every shard not done, follow progress
+	$(DATAGEN) extract $(CFG)
+
+estimate: install ## extraction disk bytes and hours, with the arithmetic (ARGS="--gpus 8")
+	$(DATAGEN) estimate $(CFG) $(ARGS)
+
+calibrate: install ## measure extraction tokens/s on this machine's GPU for `estimate`
+	$(DATAGEN) calibrate $(CFG)
+
 recover: install ## rebuild the ledger from the records on disk, re-enqueue what is missing
 	$(DATAGEN) recover $(CFG)
 
@@ -78,5 +91,5 @@ bench: install ## run the benchmarks (results in bench/results and docs/BENCHMAR
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
-.PHONY: help install demo test lint produce run workers worker-gpu flower status merge recover \
-	metrics plot up up-sim down bench clean
+.PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
+	extract estimate calibrate recover metrics plot up up-sim down bench clean

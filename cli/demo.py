@@ -17,7 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from cli.commands import _committed_maps, _decoder, _merge_all, cmd_extract, follow, render_produce
+from cli.commands import _merge_all, follow, render_produce
+from cli.extraction import cmd_extract, committed_maps, decoder
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
 from datagen import status as status_mod
@@ -29,7 +30,7 @@ from datagen.training_set import extraction_dir, prepare, render
 
 DEMO_CONFIG = REPO / "config" / "demo.toml"
 # Small shards so the progress shows; the tiny model keeps the CPU forward to a few seconds.
-EXTRACT_ENV = {"DATAGEN_SHARD_SAMPLES": "64", "DATAGEN_EXTRACT_BATCH_TOKENS": "8192",
+EXTRACT_ENV = {"DATAGEN_SHARD_SAMPLES": "64", "DATAGEN_EXTRACT_BATCH_TOKENS": "2048",
                "DATAGEN_EXTRACT_WRITER_THREADS": "2"}
 SIMULATOR_ARGS = ["--max-running-requests", "48", "--mean-output-tokens", "300",
                   "--sigma", "0.8", "--decode-step-s", "0.004", "--prefill-tokens-per-s",
@@ -97,9 +98,12 @@ def _extract(workdir: Path, tokenizer: Path, vocab_size: int, started: float) ->
 
     print("\nextraction: tiny random Llama as the target model, one gpu worker on the CPU",
           flush=True)
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
+    hf_logging.disable_progress_bar()
     build_tiny_llama(workdir / "model", vocab_size, tokenizer_dir=tokenizer)
     settings = load_settings(DEMO_CONFIG)
-    tset = prepare(settings, _committed_maps(settings), _decoder(settings))
+    tset = prepare(settings, committed_maps(settings), decoder(settings))
     print(render(tset), flush=True)
     code = cmd_extract(settings, argparse.Namespace(force=False, no_wait=False, interval=1.0,
                                                     timeout_s=240, hidden_size=None))

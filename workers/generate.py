@@ -76,6 +76,18 @@ def _stop_heartbeat(**_: object) -> None:
         _context.writer.close()
 
 
+@signals.task_revoked.connect
+def _count_revoked(request: object = None, **_: object) -> None:
+    """Tasks the stamped revoke dropped before they ran count as revoked in status too."""
+    kwargs = getattr(request, "kwargs", None) or {}
+    dataset = kwargs.get("dataset") if isinstance(kwargs, dict) else None
+    if dataset:
+        try:
+            context().ledger.count(str(dataset), "revoked")
+        except Exception as exc:  # a status counter must never break the worker
+            log.warning("could not count a revoked task of %s: %s", dataset, exc)
+
+
 @app.task(name=GENERATE_TASK, bind=True)
 def generate(self, **payload: object) -> str:
     job = Job.from_payload(payload)

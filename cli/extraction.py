@@ -1,0 +1,269 @@
+"""The extraction phase's subcommands: prepare, extract, estimate, calibrate.
+
+Like every producer-side command they enqueue by task name and never import worker code or
+torch (``calibrate`` is the exception: it runs the model on this machine, by design).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from config.settings import Settings
+from datagen import extraction_ledger as xlm
+from datagen import training_set
+from datagen.celery_app import EXTRACT_TASK, make_app
+from datagen.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.ledger import Ledger
+from datagen.merge import datasets_on_disk
+
+EXIT_INCOMPLETE = 3  # something was dead-lettered (as `produce` does for bad input)
+LOST_AFTER_S = 3.0   # a shard seen nowhere this long had its message lost: send it again
+
+
+def _ledger(settings: Settings) -> Ledger:
+    return Ledger.from_settings(settings)
+
+
+def cmd_prepare(settings: Settings, args: argparse.Namespace) -> int:
+    tset = training_set.prepare(settings, committed_maps(settings), decoder(settings),
+                                force=args.force)
+    print(training_set.render(tset))
+    return 0
+
+
+def committed_maps(settings: Settings) -> dict[str, dict[str, str] | None]:
+    """Per dataset the ledger's committed map; {} (every record counts) without Redis."""
+    try:
+        ledger = _ledger(settings)
+        return {ds: ledger.r.hgetall(ledger.k(ds, "done")) or None
+                for ds in datasets_on_disk(settings.output_dir)}
+    except redis.RedisError as exc:
+        print(f"Redis not reachable ({exc}): every record on disk counts, earliest copy per id")
+        return {}
+
+
+def decoder(settings: Settings) -> Any:
+    path = settings.tokenizer_path or settings.model_path
+    if not path:
+        return None
+    from datagen.tokenizer import ChatEncoder  # noqa: PLC0415
+
+    encoder = ChatEncoder(path)
+    # special tokens (eos, role markers) are the template's, not the assistant's text
+    return lambda ids: encoder.decode(ids, skip_special_tokens=True)
+
+
+def model_shape(model_path: str) -> tuple[int, int]:
+    """(hidden_size, num_hidden_layers) from a local model's config.json."""
+    if not model_path:
+        raise ValueError("model_path is not set: set it, or pass --hidden-size/--num-layers")
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)  # multimodal checkpoints nest the LM's config
+    return int(config["hidden_size"]), int(config["num_hidden_layers"])
+
+
+def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
+    manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
+    shards = xlm.shard_states(manifest)
+    xl = xlm.ExtractionLedger(_ledger(settings).r)
+    done, dead, todo = xlm.split_shards(shards, xl)
+    out = training_set.extraction_dir(settings)
+    if not todo and not dead:
+        print(f"all {len(shards)} shards done ({manifest['samples']:,} samples, "
+              f"{manifest['tokens']:,} tokens): nothing to enqueue; files under {out}")
+        return 0
+    todo += dead  # a new `extract` gives dead-lettered shards another chance
+    hidden = args.hidden_size or model_shape(settings.model_path)[0]
+    need = check_disk(out, sum(s.tokens for s in todo), hidden,
+                      DTYPE_BYTES[settings.extract_dtype], override=args.force)
+    send = xlm.nowhere(todo, xl, EXTRACT_TASK)
+    xl.forget_dead(s.path for s in send)
+    app = make_app(settings)
+    for s in send:
+        app.send_task(EXTRACT_TASK, kwargs={"shard": s.path}, queue=xlm.GPU_QUEUE)
+    print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
+          f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
+          flush=True)
+    if args.no_wait:
+        return 0
+    return follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+
+
+def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.ShardState],
+                      interval: float, timeout_s: float | None, out: Path) -> int:
+    """Print progress until every shard is done or dead-lettered; re-send lost shards."""
+    started = time.monotonic()
+    first = last_line = None
+    nowhere_since: dict[str, float] = {}
+    while True:
+        done, dead, todo = xlm.split_shards(shards, xl)
+        tokens = sum(s.tokens for s in done) + _partial_tokens(todo, xl.running())
+        first = first if first is not None else tokens
+        now = time.monotonic()
+        if not todo:
+            return _finished(xl, shards, done, dead, now - started, out)
+        if last_line is None or now - last_line >= max(interval, 10.0):
+            last_line = now
+            print(_extract_line(len(done), len(shards), tokens, shards, first, now - started),
+                  flush=True)
+        nowhere_since = _resend_lost(xl, app, todo, nowhere_since, now)
+        if timeout_s is not None and now - started > timeout_s:
+            raise TimeoutError(f"extraction not finished after {timeout_s:.0f}s")
+        time.sleep(interval)
+
+
+def _resend_lost(xl: xlm.ExtractionLedger, app: Any, todo: list[xlm.ShardState],
+                 nowhere_since: dict[str, float], now: float) -> dict[str, float]:
+    """A worker killed mid-shard took its message (early ack): once its lease lapses the
+    shard is nowhere. Seen so for a few seconds in a row, it is sent again."""
+    since = {s.path: nowhere_since.get(s.path, now) for s in xlm.nowhere(todo, xl, EXTRACT_TASK)}
+    for path, first_seen in list(since.items()):
+        if now - first_seen > LOST_AFTER_S:
+            app.send_task(EXTRACT_TASK, kwargs={"shard": path}, queue=xlm.GPU_QUEUE)
+            print(f"{path}: not done, not running, not queued: enqueued again", flush=True)
+            del since[path]
+    return since
+
+
+def _finished(xl: xlm.ExtractionLedger, shards: list[xlm.ShardState],
+              done: list[xlm.ShardState], dead: list[xlm.ShardState], seconds: float,
+              out: Path) -> int:
+    results = xl.done()
+    dead_samples = sum(int(results[s.path].get("failed", 0)) for s in done)
+    print(f"extraction finished: {len(done)}/{len(shards)} shards, "
+          f"{sum(s.samples for s in done):,} samples, {sum(s.tokens for s in done):,} tokens "
+          f"in {seconds:.0f}s; {dead_samples} samples and {len(dead)} shards dead-lettered; "
+          f"files under {out}")
+    if dead or dead_samples:
+        print(f"reasons in {out}/dead_letters.jsonl; `datagen extract` retries dead shards")
+        return EXIT_INCOMPLETE
+    return 0
+
+
+def _partial_tokens(todo: list[Any], running: dict[str, dict[str, Any]]) -> int:
+    total = 0
+    for s in todo:
+        p = running.get(s.path)
+        if p and p.get("total"):
+            total += int(s.tokens * min(1.0, p["handled"] / p["total"]))
+    return total
+
+
+def _extract_line(n_done: int, n_shards: int, tokens: int, shards: list[Any], first: int,
+                  elapsed_s: float) -> str:
+    total = sum(s.tokens for s in shards)
+    rate = (tokens - first) / elapsed_s if elapsed_s > 0 else 0.0
+    eta = f"{(total - tokens) / rate / 60:,.1f} min" if rate > 0 else "?"
+    return (f"{time.strftime('%H:%M:%S')} extract: {n_done}/{n_shards} shards, "
+            f"{tokens:,}/{total:,} tokens, {rate:,.0f} tokens/s, ETA {eta}")
+
+
+def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
+    tokens, source = _planned_tokens(settings, args)
+    hidden, layers = args.hidden_size, args.num_layers
+    if hidden is None or layers is None:
+        shape = model_shape(settings.model_path)
+        hidden, layers = hidden or shape[0], layers or shape[1]
+    rate, rate_source = _tokens_per_s(settings, args)
+    plan = estimate(tokens, hidden, layers, rate, args.gpus, DTYPE_BYTES[settings.extract_dtype])
+    print(f"tokens: {source}\ntokens/s per GPU: {rate_source}")
+    print(plan.text)
+    return 0
+
+
+def _planned_tokens(settings: Settings, args: argparse.Namespace
+                    ) -> tuple[dict[str, int], str]:
+    if args.tokens:
+        out: dict[str, int] = {}
+        for item in args.tokens:
+            name, _, count = item.rpartition("=")
+            out[name or "given"] = out.get(name or "given", 0) + int(count)
+        return out, "given"
+    if args.budgeted:
+        return _budgeted_tokens(settings)
+    try:
+        ledger = _ledger(settings)
+        snaps = [ledger.snapshot(ds) for ds in ledger.datasets()]
+        done = {s["dataset"]: int(s["stats"].get("prompt_tokens", 0))
+                + int(s["stats"].get("completion_tokens", 0)) for s in snaps}
+        if done:
+            return done, "done (prompt + completion), from the ledger"
+    except redis.RedisError as exc:
+        print(f"Redis not reachable ({exc}): counting the records on disk")
+    return _tokens_on_disk(settings), "done (prompt + completion), from the records on disk"
+
+
+def _budgeted_tokens(settings: Settings) -> tuple[dict[str, int], str]:
+    ledger = _ledger(settings)
+    try:
+        names = ledger.datasets() or datasets_on_disk(settings.output_dir)
+        budgets = {ds: ledger.budget(ds) for ds in names}
+        stats = [ledger.snapshot(ds)["stats"] for ds in names]
+    except redis.RedisError:
+        names = datasets_on_disk(settings.output_dir) or sorted(settings.budgets)
+        budgets, stats = {ds: settings.budget_for(ds) for ds in names}, []
+    if not budgets:
+        raise ValueError("no datasets known: pass --tokens")
+    prompt = sum(int(s.get("prompt_tokens", 0)) for s in stats)
+    completion = sum(int(s.get("completion_tokens", 0)) for s in stats)
+    if settings.budget_counts == "completion" and completion:
+        scale = (prompt + completion) / completion  # extraction also runs over the prompts
+        return ({ds: int(b * scale) for ds, b in budgets.items()},
+                f"budgets x {scale:.3f} (prompt + completion over completion, measured so far)")
+    note = "" if settings.budget_counts == "total" else " (completion only: prompts not counted)"
+    return budgets, f"budgets{note}"
+
+
+def _tokens_on_disk(settings: Settings) -> dict[str, int]:
+    from datagen.records import canonical, iter_records, records_dir  # noqa: PLC0415
+
+    out = {}
+    for ds in datasets_on_disk(settings.output_dir):
+        chosen, _, _ = canonical(iter_records(records_dir(settings.output_dir, ds)))
+        out[ds] = sum(len(r.get("prompt_ids") or []) + len(r.get("output_ids") or [])
+                      for r in chosen.values())
+    if not out:
+        raise ValueError(f"no records under {settings.output_dir}: pass --tokens or --budgeted")
+    return out
+
+
+def _tokens_per_s(settings: Settings, args: argparse.Namespace) -> tuple[float, str]:
+    if args.tokens_per_s:
+        return args.tokens_per_s, f"{args.tokens_per_s:,.0f} (given)"
+    path = calibration_file(settings)
+    if not os.path.exists(path):
+        raise ValueError(f"no calibration at {path}: run `datagen calibrate` on a GPU worker, "
+                         "or pass --tokens-per-s")
+    cal = load_calibration(path)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cal.measured_at))
+    return cal.tokens_per_s, (f"{cal.tokens_per_s:,.0f} (calibrated on {cal.device_name}, "
+                              f"{cal.model_path}, {when}; {path})")
+
+
+def calibration_file(settings: Settings) -> str:
+    return settings.calibration_path or os.path.join(settings.output_dir, "calibration.json")
+
+
+def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415 (this command runs the model on this machine)
+
+    from datagen.estimate import calibrate, save_calibration  # noqa: PLC0415
+
+    if not settings.model_path:
+        raise ValueError("model_path is not set (DATAGEN_MODEL_PATH, --config)")
+    rate = calibrate(settings.model_path, args.seq_len, args.batches,
+                     device=settings.extract_device, dtype=settings.extract_dtype)
+    cuda = torch.cuda.is_available() and settings.extract_device != "cpu"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    path = calibration_file(settings)
+    save_calibration(path, settings.model_path, device, rate)
+    print(f"{rate:,.0f} tokens/s on {device} ({settings.extract_dtype}, {args.seq_len} tokens "
+          f"x {args.batches}); stored in {path} for `datagen estimate`")
+    return 0

@@ -1,0 +1,334 @@
+"""The training set: every dataset's records, filtered, deduplicated, shuffled and sharded.
+
+``datagen prepare`` merges each dataset (``merge.merge_dataset``), then writes::
+
+    <output_dir>/training/shards/shard_00000.jsonl  {"idx","id","dataset","prompt_ids","output_ids"}
+    <output_dir>/training/conversations.jsonl       {"id","conversations":[{"role","content"}]}
+    <output_dir>/training/manifest.json             counts, tokens, seed, shards with sha256
+
+Rules, in order: records without token ids are dropped (old format); truncated responses are
+dropped when ``keep_truncated`` is off; an id already taken by an earlier dataset (datasets in
+name order) is a collision and the later copy is dropped; what is left is sorted by
+(dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
+settings give byte-identical files. Only an index (file, offset) is held in memory; records are
+read back one at a time when the shards are written.
+
+Extraction names its output files by ``idx`` and resumes by (dataset, id), so a training set
+must not change under a started extraction: ``prepare`` refuses when the new set differs from
+the one extraction started on, unless forced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from config.settings import Settings
+from datagen.errors import PermanentError
+from datagen.merge import datasets_on_disk, merge_dataset
+from datagen.records import is_current, merged_path, write_atomic
+
+log = logging.getLogger(__name__)
+
+TRAINING_DIR = "training"
+SHARDS_DIR = "shards"
+HIDDEN_STATES_DIR = "hidden_states"
+MANIFEST_NAME = "manifest.json"
+CONVERSATIONS_NAME = "conversations.jsonl"
+MANIFEST_VERSION = 1
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class TrainingSetChanged(PermanentError):
+    """The records changed after extraction started on the previous training set."""
+
+
+def training_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / TRAINING_DIR
+
+
+def extraction_dir(settings: Settings) -> Path:
+    return Path(settings.extraction_dir or training_dir(settings.output_dir) / HIDDEN_STATES_DIR)
+
+
+def shard_relpath(number: int) -> str:
+    """A shard's path relative to the output folder (what a `gpu` task message carries)."""
+    return f"{TRAINING_DIR}/{SHARDS_DIR}/shard_{number:05d}.jsonl"
+
+
+@dataclass
+class DatasetCount:
+    dataset: str
+    records: int = 0            # in raw_responses.jsonl (one per id)
+    uncommitted: int = 0        # written but never counted by the ledger: left out by merge
+    copies: int = 0             # same id written twice (redelivery): merge kept one
+    no_ids: int = 0             # old records without token ids
+    truncated_dropped: int = 0  # truncated responses, dropped because keep_truncated is off
+    empty: int = 0              # no response token: nothing to train on
+    collisions: int = 0         # id already taken by an earlier dataset
+    samples: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Entry:
+    dataset: str
+    id: str
+    offset: int   # byte offset of the record in the dataset's raw_responses.jsonl
+    prompt_tokens: int
+    output_tokens: int
+    digest: str   # sha256 of the record line: any change of content changes the fingerprint
+
+
+@dataclass
+class TrainingSet:
+    datasets: list[DatasetCount]
+    collisions: list[tuple[str, str, str]]  # (id, kept in dataset, dropped from dataset)
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    fingerprint: str = ""
+    conversations: str | None = None
+    directory: str = ""
+
+    @property
+    def samples(self) -> int:
+        return sum(d.samples for d in self.datasets)
+
+    @property
+    def tokens(self) -> int:
+        return sum(d.tokens for d in self.datasets)
+
+
+def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None],
+            decode: Decode | None, force: bool = False) -> TrainingSet:
+    """Merge, filter, deduplicate, shuffle and write the shards, conversations and manifest.
+
+    ``committed``: per dataset the ledger's done map (None when Redis is not reachable: every
+    record on disk counts). ``decode``: token ids -> text, or None to skip conversations."""
+    out = Path(settings.output_dir)
+    counts, entries, collisions = _index(settings, committed)
+    order = _shuffled(entries, settings.shuffle_seed)
+    tset = TrainingSet(counts, collisions, fingerprint=_fingerprint(order, settings))
+    folder = training_dir(out)
+    _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
+    tset.directory = str(folder)
+    with _Reader(out) as reader:
+        tset.shards = _write_shards(out, order, settings.shard_samples, reader)
+        if decode is not None:
+            path = folder / CONVERSATIONS_NAME
+            write_atomic(path, (_conversation_line(reader.read(e), decode) for e in order))
+            tset.conversations = str(path)
+    _write_manifest(folder, tset, settings)
+    return tset
+
+
+def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | None]
+           ) -> tuple[list[DatasetCount], list[Entry], list[tuple[str, str, str]]]:
+    counts: list[DatasetCount] = []
+    entries: list[Entry] = []
+    owner: dict[str, str] = {}
+    collisions: list[tuple[str, str, str]] = []
+    for dataset in datasets_on_disk(settings.output_dir):
+        merged = merge_dataset(settings.output_dir, dataset, committed.get(dataset))
+        count = DatasetCount(dataset, records=merged.records, uncommitted=merged.uncommitted,
+                             copies=merged.duplicates)
+        for offset, record in _scan(merged_path(settings.output_dir, dataset)):
+            entry = _admit(record, offset, count, settings.keep_truncated)
+            if entry is None:
+                continue
+            if entry.id in owner:
+                count.collisions += 1
+                collisions.append((entry.id, owner[entry.id], dataset))
+                continue
+            owner[entry.id] = dataset
+            count.samples += 1
+            count.prompt_tokens += entry.prompt_tokens
+            count.output_tokens += entry.output_tokens
+            entries.append(entry)
+        counts.append(count)
+    return counts, entries, collisions
+
+
+def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
+    """(byte offset, (record, sha256 of its line)) of every record of a merged file."""
+    with open(path, "rb") as fh:
+        offset = 0
+        for raw in fh:
+            if raw.strip():
+                yield offset, (json.loads(raw), hashlib.sha256(raw).hexdigest())
+            offset += len(raw)
+
+
+def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
+           keep_truncated: bool) -> Entry | None:
+    record, digest = item
+    if not is_current(record):
+        count.no_ids += 1
+        return None
+    if record.get("truncated") and not keep_truncated:
+        count.truncated_dropped += 1
+        return None
+    if not record["output_ids"]:
+        count.empty += 1
+        return None
+    return Entry(count.dataset, str(record["id"]), offset, len(record["prompt_ids"]),
+                 len(record["output_ids"]), digest)
+
+
+def _shuffled(entries: list[Entry], seed: int) -> list[Entry]:
+    # sorted first: the order does not depend on merge order or on the datasets' listing
+    order = sorted(entries, key=lambda e: (e.dataset, e.id))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _fingerprint(order: Sequence[Entry], settings: Settings) -> str:
+    h = hashlib.sha256(f"v{MANIFEST_VERSION} shard_samples={settings.shard_samples}\n".encode())
+    for e in order:
+        h.update(f"{e.dataset}\t{e.id}\t{e.digest}\n".encode())
+    return h.hexdigest()
+
+
+def _check_unchanged(folder: Path, extracted: Path, fingerprint: str, force: bool) -> None:
+    old = read_manifest(folder) if (folder / MANIFEST_NAME).is_file() else None
+    if old is None or old.get("fingerprint") == fingerprint:
+        return
+    started = any(p.stat().st_size for p in (extracted / "manifest").glob("*.jsonl"))
+    if not started:
+        return
+    msg = (f"the training set changed since extraction started in {extracted}: its files are "
+           "named by idx, so new shards would overwrite them. Finish extraction on the old set, "
+           f"or remove {extracted} (or pass --force and remove it yourself)")
+    if not force:
+        raise TrainingSetChanged(msg)
+    log.warning("forced: %s", msg)
+
+
+class _Reader:
+    """Reads records back by (dataset, offset), one open file per dataset."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir = output_dir
+        self._files: dict[str, BinaryIO] = {}
+
+    def read(self, entry: Entry) -> dict[str, Any]:
+        fh = self._files.get(entry.dataset)
+        if fh is None:
+            fh = self._files[entry.dataset] = open(  # noqa: SIM115 (closed in __exit__)
+                merged_path(self.output_dir, entry.dataset), "rb")
+        fh.seek(entry.offset)
+        return json.loads(fh.readline())
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fh in self._files.values():
+            fh.close()
+
+
+def _write_shards(out: Path, order: list[Entry], per_shard: int,
+                  reader: _Reader) -> list[dict[str, Any]]:
+    shards = []
+    for number, start in enumerate(range(0, len(order), per_shard)):
+        chunk = order[start:start + per_shard]
+        rel = shard_relpath(number)
+        digest = hashlib.sha256()
+        lines = (_shard_line(start + i, reader.read(e), digest) for i, e in enumerate(chunk))
+        write_atomic(out / rel, lines)
+        shards.append({"path": rel, "first_idx": start, "samples": len(chunk),
+                       "tokens": sum(e.prompt_tokens + e.output_tokens for e in chunk),
+                       "sha256": digest.hexdigest()})
+    keep = {Path(s["path"]).name for s in shards}
+    for stale in (out / TRAINING_DIR / SHARDS_DIR).glob("shard_*.jsonl"):
+        if stale.name not in keep:  # a previous, larger training set
+            stale.unlink()
+    return shards
+
+
+def _shard_line(idx: int, record: dict[str, Any], digest: Any) -> str:
+    line = json.dumps({"idx": idx, "id": str(record["id"]), "dataset": record["dataset"],
+                       "prompt_ids": record["prompt_ids"], "output_ids": record["output_ids"]},
+                      separators=(",", ":"), ensure_ascii=False) + "\n"
+    digest.update(line.encode("utf-8"))
+    return line
+
+
+def _conversation_line(record: dict[str, Any], decode: Decode) -> str:
+    turns = [{"role": m["role"], "content": m["content"]} for m in record.get("messages", [])]
+    turns.append({"role": "assistant", "content": decode(record["output_ids"])})
+    return json.dumps({"id": str(record["id"]), "conversations": turns},
+                      ensure_ascii=False) + "\n"
+
+
+def _write_manifest(folder: Path, tset: TrainingSet, settings: Settings) -> None:
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "fingerprint": tset.fingerprint,
+        "shuffle_seed": settings.shuffle_seed,
+        "shard_samples": settings.shard_samples,
+        "keep_truncated": settings.keep_truncated,
+        "samples": tset.samples,
+        "tokens": tset.tokens,
+        "datasets": {d.dataset: {**asdict(d), "tokens": d.tokens} for d in tset.datasets},
+        "collisions": [{"id": i, "kept": a, "dropped": b} for i, a, b in tset.collisions],
+        "conversations": CONVERSATIONS_NAME if tset.conversations else None,
+        "shards": tset.shards,
+    }
+    write_atomic(folder / MANIFEST_NAME, iter([json.dumps(manifest, indent=2) + "\n"]))
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise PermanentError(f"no training set at {path}: run `datagen prepare` first") from exc
+
+
+def render(tset: TrainingSet) -> str:
+    """The per-dataset table `datagen prepare` prints."""
+    head = (f"{'dataset':<16}{'records':>9}{'trunc.':>8}{'dup id':>8}{'other':>7}"
+            f"{'samples':>9}{'prompt tok':>13}{'output tok':>13}{'tokens':>13}")
+    lines = [head]
+    for d in tset.datasets:
+        other = d.no_ids + d.empty
+        lines.append(f"{d.dataset:<16}{d.records:>9,}{d.truncated_dropped:>8,}"
+                     f"{d.collisions:>8,}{other:>7,}{d.samples:>9,}{d.prompt_tokens:>13,}"
+                     f"{d.output_tokens:>13,}{d.tokens:>13,}")
+    prompt = sum(d.prompt_tokens for d in tset.datasets)
+    output = sum(d.output_tokens for d in tset.datasets)
+    lines.append(f"{'total':<16}{sum(d.records for d in tset.datasets):>9,}"
+                 f"{sum(d.truncated_dropped for d in tset.datasets):>8,}"
+                 f"{len(tset.collisions):>8,}"
+                 f"{sum(d.no_ids + d.empty for d in tset.datasets):>7,}{tset.samples:>9,}"
+                 f"{prompt:>13,}{output:>13,}{tset.tokens:>13,}")
+    for sid, kept, dropped in tset.collisions[:10]:
+        lines.append(f"  id {sid!r} in {dropped} already taken by {kept}: dropped")
+    if len(tset.collisions) > 10:
+        lines.append(f"  ... {len(tset.collisions) - 10} more collisions in the manifest")
+    copies = sum(d.copies for d in tset.datasets)
+    if copies:
+        lines.append(f"  {copies} duplicate copies of a record (redeliveries) merged into one")
+    uncommitted = sum(d.uncommitted for d in tset.datasets)
+    if uncommitted:
+        lines.append(f"  {uncommitted} records never committed by the ledger left out")
+    lines.append(f"{len(tset.shards)} shards of up to {_per(tset)} samples in "
+                 f"{tset.directory}/{SHARDS_DIR}; manifest {MANIFEST_NAME}")
+    lines.append(f"conversations: {tset.conversations or 'not written (no tokenizer)'}")
+    return "\n".join(lines)
+
+
+def _per(tset: TrainingSet) -> int:
+    return max((s["samples"] for s in tset.shards), default=0)

@@ -1,0 +1,171 @@
+"""`datagen prepare`: merge, truncation policy, dedup, deterministic shuffle and shards,
+conversations decoded from the output ids. Records are written as workers write them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import write_jsonl
+
+from config.settings import Settings
+from datagen.records import merged_path
+from datagen.training_set import (
+    TrainingSetChanged,
+    extraction_dir,
+    prepare,
+    read_manifest,
+    render,
+    training_dir,
+)
+
+
+def record(dataset: str, sid: str, prompt: list[int], output: list[int], **extra: Any) -> dict:
+    return {"v": 1, "id": sid, "dataset": dataset, "rid": f"rid-{dataset}-{sid}",
+            "messages": [{"role": "user", "content": f"question {sid}"}],
+            "prompt_ids": prompt, "output_ids": output, "finish_reason": "stop",
+            "prompt_tokens": len(prompt), "completion_tokens": len(output), "truncated": False,
+            "time": 1000.0 + len(sid), **extra}
+
+
+def write_records(out: Path, dataset: str, records: list[dict], worker: str = "h-1") -> None:
+    write_jsonl(out / "records" / dataset / f"{worker}.jsonl", records)
+
+
+def settings_for(out: Path, **changes: Any) -> Settings:
+    return Settings(**{"output_dir": str(out), "shard_samples": 4, **changes})
+
+
+def shard_lines(out: Path) -> list[dict]:
+    lines = []
+    for path in sorted((training_dir(out) / "shards").glob("shard_*.jsonl")):
+        lines += [json.loads(x) for x in path.read_text().splitlines()]
+    return lines
+
+
+def some_records(n: int, dataset: str = "B1") -> list[dict]:
+    return [record(dataset, f"{dataset}-{i}", [1, 3, 10 + i], [20 + i, 30 + i, 2])
+            for i in range(n)]
+
+
+def test_same_records_give_identical_shards_and_another_seed_another_order(tmp_path):
+    out = tmp_path / "out"
+    write_records(out, "B1", some_records(7, "B1"))
+    write_records(out, "A1", some_records(4, "A1"))
+    settings = settings_for(out)
+
+    first = prepare(settings, {}, None)
+    files = {p.name: p.read_bytes() for p in (training_dir(out) / "shards").iterdir()}
+    again = prepare(settings, {}, None)
+
+    assert sorted(files) == ["shard_00000.jsonl", "shard_00001.jsonl", "shard_00002.jsonl"]
+    assert {p.name: p.read_bytes() for p in (training_dir(out) / "shards").iterdir()} == files
+    assert again.fingerprint == first.fingerprint
+    lines = shard_lines(out)
+    assert [x["idx"] for x in lines] == list(range(11))
+    assert set(lines[0]) == {"idx", "id", "dataset", "prompt_ids", "output_ids"}
+    assert sorted(x["id"] for x in lines) == sorted(f"A1-{i}" for i in range(4)) + sorted(
+        f"B1-{i}" for i in range(7))
+    manifest = read_manifest(training_dir(out))
+    assert [s["samples"] for s in manifest["shards"]] == [4, 4, 3]
+    assert manifest["samples"] == 11 and manifest["tokens"] == 11 * 6
+    assert manifest["datasets"]["B1"]["output_tokens"] == 21
+    assert manifest["shards"][1] == {**manifest["shards"][1], "first_idx": 4,
+                                     "path": "training/shards/shard_00001.jsonl"}
+    order = [x["id"] for x in lines]
+    prepare(settings_for(out, shuffle_seed=1), {}, None)
+    assert [x["id"] for x in shard_lines(out)] != order
+
+
+def test_ids_are_unique_across_datasets_and_collisions_are_reported(tmp_path):
+    out = tmp_path / "out"
+    write_records(out, "A1", [record("A1", "same", [1], [5, 6])])
+    write_records(out, "B1", [record("B1", "same", [1], [7, 8, 9]), record("B1", "b", [1], [4])])
+    # the same sample stored twice by a redelivery: merge keeps one
+    write_records(out, "B1", [record("B1", "b", [1], [4], rid="later", time=5000.0)], "h-2")
+
+    tset = prepare(settings_for(out), {}, None)
+
+    lines = shard_lines(out)
+    assert sorted((x["dataset"], x["id"]) for x in lines) == [("A1", "same"), ("B1", "b")]
+    assert tset.collisions == [("same", "A1", "B1")]
+    counts = {d.dataset: d for d in tset.datasets}
+    assert counts["B1"].collisions == 1 and counts["B1"].copies == 1
+    assert counts["B1"].samples == 1 and counts["B1"].output_tokens == 1
+    table = render(tset)
+    assert "id 'same' in B1 already taken by A1" in table
+    assert read_manifest(training_dir(out))["collisions"] == [
+        {"id": "same", "kept": "A1", "dropped": "B1"}]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_truncation_policy(tmp_path, keep):
+    out = tmp_path / "out"
+    write_records(out, "B1", [record("B1", "ok", [1], [5, 2]),
+                              record("B1", "cut", [1], [5, 6, 7], truncated=True,
+                                     finish_reason="length"),
+                              {"id": "old", "dataset": "B1", "text": "no ids"}])
+
+    tset = prepare(settings_for(out, keep_truncated=keep), {}, None)
+
+    assert sorted(x["id"] for x in shard_lines(out)) == (["cut", "ok"] if keep else ["ok"])
+    b1 = tset.datasets[0]
+    assert (b1.records, b1.truncated_dropped, b1.no_ids) == (3, 0 if keep else 1, 1)
+
+
+def test_only_committed_records_when_the_ledger_answers(tmp_path):
+    out = tmp_path / "out"
+    write_records(out, "B1", some_records(3))
+
+    tset = prepare(settings_for(out), {"B1": {"B1-0": "rid-B1-B1-0 3"}}, None)
+
+    assert [x["id"] for x in shard_lines(out)] == ["B1-0"]
+    assert tset.datasets[0].uncommitted == 2
+    assert merged_path(out, "B1").is_file()
+
+
+def test_conversations_are_the_history_plus_the_decoded_response(tmp_path, encoder):
+    out = tmp_path / "out"
+    text = "The answer is four <think>because</think>"
+    ids = encoder._tokenizer.encode(text, add_special_tokens=False) + [encoder.eos_token_id]
+    rec = record("B1", "c1", encoder.encode([{"role": "user", "content": "2+2?"}]), ids,
+                 messages=[{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "2+2?"}])
+    write_records(out, "B1", [rec])
+
+    tset = prepare(settings_for(out), {},
+                   lambda x: encoder.decode(x, skip_special_tokens=True))
+
+    lines = Path(tset.conversations).read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"id": "c1", "conversations": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": text}]}]
+
+
+def test_a_changed_set_is_refused_once_extraction_started(tmp_path):
+    out = tmp_path / "out"
+    write_records(out, "B1", some_records(9))
+    settings = settings_for(out)
+    prepare(settings, {}, None)
+    manifest = extraction_dir(settings) / "manifest" / "shards__shard_00000.jsonl"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text('{"idx": 0, "id": "B1-3", "dataset": "B1", "path": "x", "tokens": 6}\n')
+    prepare(settings, {}, None)  # the same set again is fine
+
+    write_records(out, "B1", [record("B1", "new", [1], [2])], "h-3")
+    with pytest.raises(TrainingSetChanged, match="changed since extraction started"):
+        prepare(settings, {}, None)
+    assert len(shard_lines(out)) == 9
+
+    tset = prepare(settings, {}, None, force=True)
+    assert tset.samples == 10 and len(shard_lines(out)) == 10
+
+
+def test_shards_of_a_larger_previous_set_are_removed(tmp_path):
+    out = tmp_path / "out"
+    write_records(out, "B1", some_records(9))
+    prepare(settings_for(out), {}, None)
+    prepare(settings_for(out, shard_samples=100), {}, None)
+    assert [p.name for p in (training_dir(out) / "shards").iterdir()] == ["shard_00000.jsonl"]
