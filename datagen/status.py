@@ -55,10 +55,13 @@ def rows(ledger: Ledger, previous: dict[str, tuple[float, int]] | None = None) -
             t0, tok0 = previous[name]
             if now > t0:
                 rate = (snap["tokens"] - tok0) / (now - t0)
+        state = state_of(snap)
+        if state not in ("running", "queued"):
+            rate = None  # nothing more will come: no rate, no ETA
         remaining = max(0, snap["budget"] - snap["tokens"])
-        eta = remaining / rate if rate and rate > 0 and not snap["closed"] else None
+        eta = remaining / rate if rate and rate > 0 else None
         stats = snap["stats"]
-        out.append(Row(name, state_of(snap), snap["budget"], snap["tokens"],
+        out.append(Row(name, state, snap["budget"], snap["tokens"],
                        100.0 * snap["tokens"] / snap["budget"] if snap["budget"] else 0.0,
                        int(stats.get("samples", 0)), snap["pending"], snap["in_flight"],
                        snap["dead"], int(stats.get("revoked", 0)),

@@ -78,3 +78,12 @@ def test_readme_first_screen_has_the_two_commands() -> None:
     assert "make demo" in first_screen and "make test" in first_screen
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def test_every_relative_link_in_the_docs_points_to_a_file() -> None:
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#:]+)\)", doc.read_text()):
+            if not (doc.parent / target).exists():
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, broken
