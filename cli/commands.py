@@ -83,13 +83,11 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
            app: Any = None, timeout_s: float | None = None) -> list[status_mod.Row]:
     """Redraw the status table until every dataset is finished (or forever)."""
     live = sys.stdout.isatty()
-    previous: dict[str, tuple[float, int]] = {}
     started = time.monotonic()
     last_line = 0.0
     stalled_since: float | None = None
     while True:
-        table = status_mod.rows(ledger, previous)
-        previous = {r.dataset: (time.monotonic(), r.tokens) for r in table}
+        table = status_mod.rows(ledger)
         if live:
             print("\x1b[2J\x1b[H" + status_mod.render(table, bars=True), flush=True)
         elif time.monotonic() - last_line >= max(interval, 10.0):

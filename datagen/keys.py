@@ -57,6 +57,8 @@ SPEEDS = "speeds"
 EPOCH = "epoch"
 # STRING JSON: the length model admission uses (see ledger.length_model).
 MODEL = "model"
+# ZSET time -> "tokens@time" after each commit, last 120 s only: recent tokens/s.
+PROGRESS = "progress"
 # ZSET time -> event log of budget decisions (close/reopen), for status.
 EVENTS = "events"
 

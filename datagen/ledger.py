@@ -112,10 +112,10 @@ class Ledger:
             counted += prompt_tokens
         ks = [self.k(dataset, p) for p in (keys.DONE, keys.STATS, keys.INFLIGHT, keys.PENDING,
                                             keys.LENGTHS, keys.CLOSED)] + [
-            keys.BUDGETS, self.k(dataset, keys.SPEEDS)]
+            keys.BUDGETS, self.k(dataset, keys.SPEEDS), self.k(dataset, keys.PROGRESS)]
         args = [dataset, sample, rid, counted, prompt_tokens, completion_tokens, int(truncated),
                 self.settings.budget_for(dataset), self.settings.max_samples or 0,
-                keys.LENGTHS_KEPT, latency_s]
+                keys.LENGTHS_KEPT, latency_s, time.time()]
         ok, tokens, closed_now = self._run(self._commit, ks, args)
         if ok:
             self._maybe_refresh_model(dataset)
@@ -216,6 +216,20 @@ class Ledger:
 
     def count(self, dataset: str, field: str, by: int = 1) -> None:
         self.r.hincrby(self.k(dataset, keys.STATS), field, by)
+
+    def tokens_per_s(self, dataset: str, window_s: float = 60.0) -> float | None:
+        """Committed tokens per second over the last ``window_s`` (None: no commits in it)."""
+        now = time.time()
+        points = self.r.zrangebyscore(self.k(dataset, keys.PROGRESS), now - window_s, "+inf")
+        if not points:
+            return None
+        tokens = [int(p.split("@")[0]) for p in points]
+        first_t = float(points[0].split("@")[1])
+        before = self.r.zrevrangebyscore(self.k(dataset, keys.PROGRESS), f"({now - window_s}",
+                                         "-inf", start=0, num=1)
+        start_tokens = int(before[0].split("@")[0]) if before else tokens[0]
+        span = now - (now - window_s if before else first_t)
+        return (tokens[-1] - start_tokens) / span if span > 0 else None
 
     def in_flight(self, dataset: str) -> dict[str, dict[str, Any]]:
         return {s: json.loads(v)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,6 +17,7 @@ class Row:
     state: str
     budget: int
     tokens: int
+    remaining: int
     percent: float
     samples: int
     queued: int
@@ -44,24 +44,19 @@ def state_of(snap: dict[str, Any]) -> str:
     return "idle"
 
 
-def rows(ledger: Ledger, previous: dict[str, tuple[float, int]] | None = None) -> list[Row]:
-    """One row per dataset; ``previous`` (time, tokens) per dataset gives the rate."""
+def rows(ledger: Ledger) -> list[Row]:
+    """One row per dataset, with tokens/s over the last minute from the ledger."""
     out = []
-    now = time.monotonic()
     for name in ledger.datasets():
         snap = ledger.snapshot(name)
-        rate = None
-        if previous and name in previous:
-            t0, tok0 = previous[name]
-            if now > t0:
-                rate = (snap["tokens"] - tok0) / (now - t0)
+        rate = ledger.tokens_per_s(name)
         state = state_of(snap)
         if state not in ("running", "queued"):
             rate = None  # nothing more will come: no rate, no ETA
         remaining = max(0, snap["budget"] - snap["tokens"])
         eta = remaining / rate if rate and rate > 0 else None
         stats = snap["stats"]
-        out.append(Row(name, state, snap["budget"], snap["tokens"],
+        out.append(Row(name, state, snap["budget"], snap["tokens"], remaining,
                        100.0 * snap["tokens"] / snap["budget"] if snap["budget"] else 0.0,
                        int(stats.get("samples", 0)), snap["pending"], snap["in_flight"],
                        snap["dead"], int(stats.get("revoked", 0)),
@@ -74,13 +69,15 @@ def as_json(table: Sequence[Row]) -> list[dict[str, Any]]:
 
 
 def render(table: Sequence[Row], bars: bool = False) -> str:
-    head = (f"{'dataset':<14} {'state':<17} {'tokens':>11} {'budget':>11} {'%':>6} "
+    head = (f"{'dataset':<14} {'state':<17} {'tokens':>11} {'budget':>11} {'remaining':>11} "
+            f"{'%':>6} "
             f"{'samples':>7} {'queued':>6} {'flight':>6} {'dead':>4} {'revoked':>7} "
             f"{'tok/s':>7} {'eta':>6}")
     lines = [head, "-" * len(head)]
     for r in table:
         lines.append(
-            f"{r.dataset:<14} {r.state:<17} {r.tokens:>11,} {r.budget:>11,} {r.percent:>5.1f}% "
+            f"{r.dataset:<14} {r.state:<17} {r.tokens:>11,} {r.budget:>11,} {r.remaining:>11,} "
+            f"{r.percent:>5.1f}% "
             f"{r.samples:>7} {r.queued:>6} {r.in_flight:>6} {r.dead:>4} {r.revoked:>7} "
             f"{_num(r.tokens_per_s):>7} {_eta(r.eta_s):>6}")
         if bars:
@@ -88,7 +85,8 @@ def render(table: Sequence[Row], bars: bool = False) -> str:
     lines.append("-" * len(head))
     lines.append(
         f"{'total':<14} {'':<17} {sum(r.tokens for r in table):>11,} "
-        f"{sum(r.budget for r in table):>11,} {'':>6} {sum(r.samples for r in table):>7} "
+        f"{sum(r.budget for r in table):>11,} {sum(r.remaining for r in table):>11,} "
+        f"{'':>6} {sum(r.samples for r in table):>7} "
         f"{sum(r.queued for r in table):>6} {sum(r.in_flight for r in table):>6} "
         f"{sum(r.dead for r in table):>4} {sum(r.revoked for r in table):>7}")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from conftest import Stack, wait_until, write_jsonl
 from cli.commands import follow
 from cli.stack import REPO
 from datagen.merge import merge_dataset
+from datagen.redis_server import free_port
 from producers.producer import Producer
 
 pytestmark = pytest.mark.chaos
@@ -271,3 +272,65 @@ def test_ids_and_names_from_the_data_cannot_write_outside_the_output(stack: Stac
                              "../../etc"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "../../etc" in result.stderr
+
+
+def test_connection_refused_while_the_server_restarts_is_waited_out(stack: Stack) -> None:
+    # Given: a server on a fixed port, and only one retry allowed per sample
+    port = free_port()
+    args = ("--port", str(port), "--lengths", "fixed:30", "--decode-step-s", "0.01")
+    stack.start_simulator(*args)
+    settings = stack.configure(data_dir=str(partition(stack.tmp, 8)), short_concurrency=2,
+                               max_retries=1, short_max_tokens=60)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = start(stack, settings)
+    wait_until(lambda: ledger.snapshot("B1")["stats"].get("samples", 0) >= 1, 30,
+               what="a first sample")
+    # When: the server process dies (connections refused) and comes back 4 s later
+    stack.sim.kill()
+    time.sleep(4)
+    stack.sim = None
+    stack.start_simulator(*args, name="simulator-again")
+    follow(ledger, 0.3, app=stack.app(), timeout_s=120)
+    # Then: nothing was dead-lettered and every sample is stored once
+    assert ledger.dead("B1") == {}
+    assert_exact_accounting(stack, settings, "B1", 8)
+
+
+def test_a_full_server_queue_is_retried(stack: Stack) -> None:
+    # Given: a server that queues at most one request beyond the one it runs
+    stack.start_simulator("--lengths", "fixed:40", "--decode-step-s", "0.005",
+                          "--max-running-requests", "1", "--max-queued-requests", "1")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, 8)), short_concurrency=4,
+                               short_max_tokens=60, max_retries=8)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = start(stack, settings)
+    follow(ledger, 0.3, app=stack.app(), timeout_s=120)
+    # Then: some requests met 503 "queue is full", and all were retried to completion
+    full = [e for e in stack.sim_log() if e["event"] == "reject" and e["status"] == 503]
+    assert full
+    assert ledger.dead("B1") == {}
+    assert_exact_accounting(stack, settings, "B1", 8)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_truncated_responses_are_recorded_and_kept_or_dead_lettered(stack: Stack,
+                                                                    keep: bool) -> None:
+    # Given: responses longer than max_new_tokens
+    stack.start_simulator("--lengths", "fixed:100", "--decode-step-s", "0.001")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, 4)), short_concurrency=2,
+                               short_max_tokens=50, keep_truncated=keep)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = start(stack, settings)
+    follow(ledger, 0.3, app=stack.app(), timeout_s=60)
+    snap = ledger.snapshot("B1")
+    if keep:
+        # Then: stored, flagged truncated, counted
+        assert snap["stats"]["truncated"] == 4 and snap["tokens"] == 200
+        assert_exact_accounting(stack, settings, "B1", 4)
+    else:
+        # Then: dead-lettered with the reason, not counted
+        assert snap["tokens"] == 0 and len(ledger.dead("B1")) == 4
+        assert all("truncated" in r for r in ledger.dead("B1").values())

@@ -1,11 +1,11 @@
 -- Commit one stored record: count its tokens once, however often it was delivered.
 -- KEYS[1] done hash      KEYS[2] stats hash     KEYS[3] inflight hash
 -- KEYS[4] pending hash   KEYS[5] lengths list   KEYS[6] closed flag
--- KEYS[7] budgets hash     KEYS[8] recent speeds list
+-- KEYS[7] budgets hash     KEYS[8] recent speeds list   KEYS[9] progress zset
 -- ARGV[1] dataset  ARGV[2] sample id  ARGV[3] rid  ARGV[4] counted tokens
 -- ARGV[5] prompt tokens  ARGV[6] completion tokens  ARGV[7] truncated (0/1)
 -- ARGV[8] default budget  ARGV[9] max samples (0 = none)  ARGV[10] lengths kept
--- ARGV[11] e2e latency in seconds (for the decode-rate estimate)
+-- ARGV[11] e2e latency in seconds (for the decode-rate estimate)  ARGV[12] now (s)
 -- Returns {committed 0/1, committed tokens after, closed now 0/1}
 local sample, rid = ARGV[2], ARGV[3]
 local counted = tonumber(ARGV[4])
@@ -40,6 +40,10 @@ if latency and latency > 0 then
 end
 redis.call('LPUSH', KEYS[5], ARGV[6])
 redis.call('LTRIM', KEYS[5], 0, tonumber(ARGV[10]) - 1)
+-- (time, tokens) points of the last two minutes: status's tokens/s over the last minute.
+local now = tonumber(ARGV[12])
+redis.call('ZADD', KEYS[9], now, tokens .. '@' .. ARGV[12])
+redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now - 120)
 
 local budget = tonumber(redis.call('HGET', KEYS[7], ARGV[1]) or ARGV[8])
 local max_samples = tonumber(ARGV[9])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
@@ -121,3 +122,14 @@ def test_length_model_corrects_the_short_bias_of_early_completions() -> None:
     # Then: its mean is far closer to the truth than the mean of completed lengths
     true_mean = sum(truth) / len(truth)
     assert abs(model["mean"] - true_mean) < 0.25 * abs(naive - true_mean)
+
+
+def test_tokens_per_second_over_the_last_minute(ledger: Ledger) -> None:
+    assert ledger.tokens_per_s("A") is None
+    for i, tokens in enumerate((100, 200, 300)):
+        ledger.admit("A", f"s{i}", f"r{i}", "w", 1, 400)
+        ledger.commit("A", f"s{i}", f"r{i}", 1, tokens, False, 1.0)
+        time.sleep(0.2)
+    rate = ledger.tokens_per_s("A")
+    # 500 tokens committed after the first commit, over ~0.6 s
+    assert rate is not None and 500 / 1.5 < rate < 500 / 0.35
