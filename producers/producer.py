@@ -24,6 +24,7 @@ from datagen.errors import ServerUnavailable
 from datagen.guard import enqueue
 from datagen.job import Job, PromptStore
 from datagen.ledger import Ledger
+from datagen.progress import Progress, count_lines
 from datagen.recovery import needs_rebuild, rebuild_dataset
 from datagen.tokenizer import ChatEncoder
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
@@ -116,21 +117,24 @@ class Producer:
         store = PromptStore(self.settings.output_dir, dataset)
         epoch = self.ledger.epoch(dataset)
         started = time.monotonic()
+        progress = Progress(f"produce {dataset}", count_lines(_jsonl_files(path)), "prompts")
         try:
             # One Redis pipeline per batch of messages (kombu 5.7's Producer.batch), not
             # one round trip and one client object per message.
             batches = _batches(read_dataset(dataset, path), BATCH)
             with self.app.producer_or_acquire() as producer, producer.batch(BATCH), \
                     _sent_events(self.app, self.settings.bulk_sent_events):
-                for fresh, ids_list in self._tokenized(batches, report, done, queued):
+                for fresh, ids_list, lines in self._tokenized(batches, report, done, queued):
                     jobs = self._prepare(fresh, ids_list, report, store, epoch, cap)
                     store.flush()
                     self._send(dataset, jobs, producer)
                     report.enqueued += len(jobs)
+                    progress.update(lines)
                     if cap is not None:
                         cap -= len(jobs)
         finally:
             store.close()
+            progress.close()
         self._write_bad_report(report)
         log.info("%s: %d enqueued (%d short, %d long) in %.1fs; %d done before, %d already "
                  "queued, %d bad", dataset, report.enqueued, report.short, report.long,
@@ -170,19 +174,19 @@ class Producer:
 
     def _tokenized(self, batches: Iterator[list[Prompt | BadRecord]], report: DatasetReport,
                    done: set[str], queued: set[str]
-                   ) -> Iterator[tuple[list[Prompt], list[list[int] | None]]]:
-        """Fresh prompts and their ids per batch, tokenized one batch ahead in a thread:
-        the Rust tokenizer releases the GIL, so it overlaps with publishing."""
+                   ) -> Iterator[tuple[list[Prompt], list[list[int] | None], int]]:
+        """Fresh prompts, their ids and the lines read, per batch, tokenized one batch ahead
+        in a thread: the Rust tokenizer releases the GIL, so it overlaps with publishing."""
         with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
-            ahead: tuple[list[Prompt], Future[list[list[int] | None]]] | None = None
+            ahead: tuple[list[Prompt], Future[list[list[int] | None]], int] | None = None
             for batch in batches:
                 fresh = self._filter(batch, report, done, queued)
                 future = pool.submit(self._encode, fresh, report)
                 if ahead is not None:
-                    yield ahead[0], ahead[1].result()
-                ahead = (fresh, future)
+                    yield ahead[0], ahead[1].result(), ahead[2]
+                ahead = (fresh, future, len(batch))
             if ahead is not None:
-                yield ahead[0], ahead[1].result()
+                yield ahead[0], ahead[1].result(), ahead[2]
 
     def _prepare(self, prompts: list[Prompt], ids_list: list[list[int] | None],
                  report: DatasetReport, store: PromptStore, epoch: int, cap: int | None
@@ -234,6 +238,10 @@ class Producer:
         path = Path(self.settings.output_dir) / REPORTS_DIR / f"{report.dataset}.bad.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(report.bad) + "\n", encoding="utf-8")
+
+
+def _jsonl_files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
 
 
 @contextmanager

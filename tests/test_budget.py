@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import Stack, wait_until, write_jsonl
 
 from cli.commands import follow
@@ -48,10 +49,11 @@ def records(settings: Any, dataset: str) -> list[dict[str, Any]]:
     return list(iter_records(records_dir(settings.output_dir, dataset)))
 
 
+@pytest.mark.parametrize("sigma", [0.3, 1.0], ids=["short-tail", "long-tail"])
 def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
-        stack: Stack) -> None:
-    # Given: four datasets closing at nearly the same time, short and long-tailed lengths
-    stack.start_simulator("--mean-output-tokens", "300", "--sigma", "1.0",
+        stack: Stack, sigma: float) -> None:
+    # Given: four datasets closing at nearly the same time
+    stack.start_simulator("--mean-output-tokens", "300", "--sigma", str(sigma),
                           "--decode-step-s", "0.002", "--max-running-requests", "64")
     budgets = {"B1": 6000, "B2": 9000, "B3": 12000, "B4": 8000}
     settings = stack.configure(data_dir=str(partition(stack.tmp, dict.fromkeys(budgets, 200))),
