@@ -254,7 +254,8 @@ def calibration_file(settings: Settings) -> str:
 def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 (this command runs the model on this machine)
 
-    from datagen.estimate import calibrate, save_calibration  # noqa: PLC0415
+    from datagen.estimate import save_calibration  # noqa: PLC0415
+    from workers.extraction import calibrate  # noqa: PLC0415 (loads the model here)
 
     if not settings.model_path:
         raise ValueError("model_path is not set (DATAGEN_MODEL_PATH, --config)")

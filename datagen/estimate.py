@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -167,16 +166,3 @@ def load_calibration(path: str | Path) -> Calibration:
     data = json.loads(Path(path).read_text())
     return Calibration(str(data["model_path"]), str(data["device_name"]),
                        float(data["tokens_per_s"]), float(data.get("measured_at", 0.0)))
-
-
-def calibrate(model_path: str, seq_len: int = 4096, n_batches: int = 4,
-              device: str = "auto", dtype: str = "bfloat16") -> float:
-    """Tokens/s of the extraction forward (hooks + final norm, no LM head) on random ids."""
-    from workers.extraction import ExtractionConfig, Extractor  # torch loads only here
-
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = ExtractionConfig(model_path=model_path, output_dir=tmp, device=device, dtype=dtype,
-                               max_length=max(seq_len, 1), batch_tokens=max(seq_len, 1))
-        rate = Extractor(cfg).measure_forward(seq_len, n_batches)
-    log.info("calibrated %s: %.0f tokens/s at seq_len %d", model_path, rate, seq_len)
-    return rate

@@ -16,6 +16,7 @@ sample that still fails is reported in ``ShardResult.failures`` for the caller t
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -368,3 +369,15 @@ class Extractor:
             raise StorageError(f"{len(storage_errors)} files could not be written under "
                                f"{self.cfg.output_dir}: {storage_errors[0]}"
                                ) from storage_errors[0]
+
+
+def calibrate(model_path: str, seq_len: int = 4096, n_batches: int = 4,
+              device: str = "auto", dtype: str = "bfloat16") -> float:
+    """Tokens/s of the extraction forward (hooks + final norm, no LM head) on random ids,
+    for `datagen calibrate`; the result is stored and used by `datagen estimate`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = ExtractionConfig(model_path=model_path, output_dir=tmp, device=device, dtype=dtype,
+                               max_length=max(seq_len, 1), batch_tokens=max(seq_len, 1))
+        rate = Extractor(cfg).measure_forward(seq_len, n_batches)
+    log.info("calibrated %s: %.0f tokens/s at seq_len %d", model_path, rate, seq_len)
+    return rate

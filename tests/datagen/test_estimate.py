@@ -86,5 +86,7 @@ def test_calibrate_runs_the_extraction_forward(tmp_path):
     from datagen.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "m", 128, hidden_size=32, num_layers=4)
-    rate = est.calibrate(str(model), seq_len=32, n_batches=2, device="cpu", dtype="float32")
+    from workers.extraction import calibrate
+
+    rate = calibrate(str(model), seq_len=32, n_batches=2, device="cpu", dtype="float32")
     assert rate > 0
