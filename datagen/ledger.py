@@ -28,6 +28,7 @@ PRIOR_MEAN_TOKENS = 2048
 MODEL_MIN_SAMPLES = 16
 PSEUDO_CENSORED = 2
 MODEL_POINTS = 96
+TAIL_POINTS = 32
 MODEL_REFRESH_S = 0.25
 
 
@@ -288,8 +289,12 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
     mean = area + points[0]  # S = 1 on [0, first point)
     second = area2 + points[0] ** 2
     step = max(1, len(points) // MODEL_POINTS)
+    # Quantile-spaced points, plus every one of the last TAIL_POINTS: the long requests
+    # still in flight at the end of a dataset are the ones whose estimate decides the stop.
+    picked = sorted(set(range(0, len(points), step)) |
+                    set(range(max(0, len(points) - TAIL_POINTS), len(points))))
     thresholds, means, variances = [0], [mean], [max(0.0, second - mean * mean)]
-    for i in range(0, len(points), step):
+    for i in picked:
         if survival[i] <= 1e-9:
             break
         m1 = points[i] + areas[i] / survival[i]
@@ -297,6 +302,11 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
         thresholds.append(int(points[i]))
         means.append(m1)
         variances.append(max(0.0, m2 - m1 * m1))
+    if cap > thresholds[-1]:
+        # Past the last point a request can only end between where it is and the cap.
+        thresholds.append(int(cap))
+        means.append(float(cap))
+        variances.append(0.0)
     tail = means[-1] - thresholds[-1]
     rate = decoded / decode_s if decode_s > 0 else 50.0
     return {"t": thresholds, "m": means, "v": variances, "tail": max(1.0, tail),
