@@ -85,11 +85,16 @@ up-sim: ## the whole stack in Docker without GPUs (SGLang simulator instead of S
 down: ## stop the Docker stack (records and Redis data stay on their volumes)
 	docker compose -f compose.yaml -f compose.sim.yaml down
 
-bench: install ## run the benchmarks (results in bench/results and docs/BENCHMARKS.md)
+bench: install ## CPU benchmarks: throughput, budget precision, extraction (bench/results/)
 	$(PY) bench/bench_generate.py
+	$(PY) bench/bench_budget.py
+	$(PY) -m bench.bench_extract --tiny --out bench/results/extract_cpu_tiny.json
+
+bench-load: install ## enqueue 100,000 prompts of ~2K tokens: Redis memory, producer memory
+	$(PY) bench/bench_load.py
 
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract estimate calibrate recover metrics plot up up-sim down bench clean
+	extract estimate calibrate recover metrics plot up up-sim down bench bench-load clean
