@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 from config.settings import Settings
 from datagen.errors import PermanentError
 from datagen.merge import datasets_on_disk, merge_dataset
+from datagen.progress import Progress
 from datagen.records import is_current, merged_path, write_atomic
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,7 @@ class _Reader:
 def _write_shards(out: Path, order: list[Entry], per_shard: int,
                   reader: _Reader) -> list[dict[str, Any]]:
     shards = []
+    progress = Progress("prepare: shards", len(order), "samples")
     for number, start in enumerate(range(0, len(order), per_shard)):
         chunk = order[start:start + per_shard]
         rel = shard_relpath(number)
@@ -250,6 +252,8 @@ def _write_shards(out: Path, order: list[Entry], per_shard: int,
         shards.append({"path": rel, "first_idx": start, "samples": len(chunk),
                        "tokens": sum(e.prompt_tokens + e.output_tokens for e in chunk),
                        "sha256": digest.hexdigest()})
+        progress.update(len(chunk))
+    progress.close()
     keep = {Path(s["path"]).name for s in shards}
     for stale in (out / TRAINING_DIR / SHARDS_DIR).glob("shard_*.jsonl"):
         if stale.name not in keep:  # a previous, larger training set
