@@ -85,11 +85,15 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
     live = sys.stdout.isatty()
     started = time.monotonic()
     last_line = 0.0
+    drawn = 0  # lines of the table drawn last time, redrawn in place (what is above stays)
     stalled_since: float | None = None
     while True:
         table = status_mod.rows(ledger)
         if live:
-            print("\x1b[2J\x1b[H" + status_mod.render(table, bars=True), flush=True)
+            text = status_mod.render(table, bars=True)
+            up = f"\x1b[{drawn}F\x1b[J" if drawn else ""
+            print(up + text, flush=True)
+            drawn = text.count("\n") + 1
         elif time.monotonic() - last_line >= max(interval, 10.0):
             last_line = time.monotonic()
             print(progress_line(table), flush=True)
