@@ -25,25 +25,17 @@ from typing import Any
 
 import redis
 
+from datagen import keys
+
 log = logging.getLogger(__name__)
 
-# Keys of the extraction phase. They are not in datagen/keys.py (owned elsewhere) but follow its
-# rules: one prefix, and nothing expires except the leases.
-PREFIX = "dg:extract:"
-# HASH shard path (relative to output_dir) -> JSON result of its last complete run:
-#   {sha256, samples, written, skipped_done, skipped_overlong, truncated, failed, tokens,
-#    bytes, seconds, worker, time}.
-DONE = PREFIX + "done"
-# HASH shard path -> JSON {sha256, reason, time, worker}: shards that failed every retry
-#   (sha256 "" when the shard could not be read: dead whatever its content).
-DEAD = PREFIX + "dead"
-# HASH shard path -> samples of that shard dead-lettered in its last run (set, not added, so a
-# redelivered shard is not counted twice). The reasons are in <extraction_dir>/dead_letters.jsonl.
-DEAD_SAMPLES = PREFIX + "dead_samples"
-# HASH shard path -> JSON {handled, total, worker, time}: samples handled in the current run.
-PROGRESS = PREFIX + "progress"
-# STRING worker id with a TTL (settings.lease_s), refreshed while the worker runs the shard.
-LEASE = PREFIX + "lease:"
+# The extraction phase's keys live with every other key in datagen/keys.py.
+PREFIX = keys.EXTRACT_PREFIX
+DONE = keys.EXTRACT_DONE
+DEAD = keys.EXTRACT_DEAD
+DEAD_SAMPLES = keys.EXTRACT_DEAD_SAMPLES
+PROGRESS = keys.EXTRACT_PROGRESS
+LEASE = keys.EXTRACT_LEASE
 
 GPU_QUEUE = "gpu"
 UNACKED = "unacked"  # kombu's HASH of delivered, unacknowledged messages (ETA retries wait here)

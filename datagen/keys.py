@@ -63,3 +63,20 @@ PROGRESS = "progress"
 EVENTS = "events"
 
 LENGTHS_KEPT = 4096
+
+# Extraction phase (datagen/extraction_ledger.py): one prefix; nothing expires but the leases.
+EXTRACT_PREFIX = PREFIX + "extract:"
+# HASH shard path (relative to output_dir) -> JSON result of its last complete run:
+#   {sha256, samples, written, skipped_done, skipped_overlong, truncated, failed, tokens,
+#    bytes, seconds, worker, time}.
+EXTRACT_DONE = EXTRACT_PREFIX + "done"
+# HASH shard path -> JSON {sha256, reason, time, worker}: shards that failed every retry
+#   (sha256 "" when the shard could not be read: dead whatever its content).
+EXTRACT_DEAD = EXTRACT_PREFIX + "dead"
+# HASH shard path -> samples of that shard dead-lettered in its last run (set, not added, so a
+# redelivered shard is not counted twice). The reasons are in <extraction_dir>/dead_letters.jsonl.
+EXTRACT_DEAD_SAMPLES = EXTRACT_PREFIX + "dead_samples"
+# HASH shard path -> JSON {handled, total, worker, time}: samples handled in the current run.
+EXTRACT_PROGRESS = EXTRACT_PREFIX + "progress"
+# STRING worker id with a TTL (settings.lease_s), refreshed while the worker runs the shard.
+EXTRACT_LEASE = EXTRACT_PREFIX + "lease:"
