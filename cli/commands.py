@@ -135,7 +135,7 @@ def cmd_merge(settings: Settings, args: argparse.Namespace) -> int:
 
 def _merge_all(settings: Settings, ledger: Ledger, include_uncommitted: bool = False) -> None:
     for dataset in datasets_on_disk(settings.output_dir):
-        committed = ledger.r.hgetall(ledger.k(dataset, "done")) or None
+        committed = ledger.committed(dataset) or None
         report = merge_dataset(settings.output_dir, dataset, committed, include_uncommitted)
         extra = f", {report.duplicates} duplicates dropped" if report.duplicates else ""
         if report.uncommitted:
@@ -159,8 +159,6 @@ def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     if ledger.closed(args.dataset):
         ledger.reopen(args.dataset)
-        # Its queued tasks were revoked at the close: enqueue everything missing anew.
-        ledger.r.delete(ledger.k(args.dataset, "pending"))
         print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}; reopened, enqueueing what "
               "is missing")
         return cmd_produce(settings.replace(partition=args.dataset), args)

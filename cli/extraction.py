@@ -42,7 +42,7 @@ def committed_maps(settings: Settings) -> dict[str, dict[str, str] | None]:
     """Per dataset the ledger's committed map; {} (every record counts) without Redis."""
     try:
         ledger = _ledger(settings)
-        return {ds: ledger.r.hgetall(ledger.k(ds, "done")) or None
+        return {ds: ledger.committed(ds) or None
                 for ds in datasets_on_disk(settings.output_dir)}
     except redis.RedisError as exc:
         print(f"Redis not reachable ({exc}): every record on disk counts, earliest copy per id")

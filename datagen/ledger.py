@@ -174,6 +174,10 @@ class Ledger:
     def pending(self, dataset: str) -> dict[str, str]:
         return self.r.hgetall(self.k(dataset, keys.PENDING))
 
+    def committed(self, dataset: str) -> dict[str, str]:
+        """Sample id -> "rid tokens" of the record each sample was counted with."""
+        return self.r.hgetall(self.k(dataset, keys.DONE))
+
     def done_ids(self, dataset: str) -> set[str]:
         return set(self.r.hkeys(self.k(dataset, keys.DONE)))
 
@@ -195,9 +199,13 @@ class Ledger:
         return bool(self.r.set(self.k(dataset, keys.CLOSED), reason, nx=True))
 
     def reopen(self, dataset: str) -> int:
-        """Open a closed dataset again; returns the new epoch for its task stamps."""
+        """Open a closed dataset again; returns the new epoch for its task stamps.
+
+        Its queued tasks were revoked at the close, so its pending entries go too: the
+        producer then enqueues everything that is missing anew.
+        """
         with self.r.pipeline() as pipe:
-            pipe.delete(self.k(dataset, keys.CLOSED))
+            pipe.delete(self.k(dataset, keys.CLOSED), self.k(dataset, keys.PENDING))
             pipe.incr(self.k(dataset, keys.EPOCH))
             _, epoch = pipe.execute()
         return int(epoch)
@@ -244,9 +252,11 @@ class Ledger:
             pipe.hlen(self.k(dataset, keys.INFLIGHT))
             pipe.hlen(self.k(dataset, keys.DEAD))
             pipe.get(self.k(dataset, keys.CLOSED))
-            stats, pending, in_flight, dead, closed = pipe.execute()
+            pipe.hget(keys.BUDGETS, dataset)
+            stats, pending, in_flight, dead, closed, budget = pipe.execute()
         stats = {k: float(v) if "." in v else int(v) for k, v in stats.items()}
-        return {"dataset": dataset, "budget": self.budget(dataset),
+        budget = int(budget) if budget is not None else self.settings.budget_for(dataset)
+        return {"dataset": dataset, "budget": budget,
                 "tokens": int(stats.get("tokens", 0)), "stats": stats,
                 "pending": pending, "in_flight": in_flight, "dead": dead, "closed": closed}
 

@@ -43,7 +43,7 @@ def worker_id(proc: Any) -> str:
 def assert_exact_accounting(stack: Stack, settings: Any, dataset: str, expected: int) -> None:
     """Every sample stored once; the counter equals the merged records' tokens."""
     ledger = stack.ledger()
-    done = ledger.r.hgetall(ledger.k(dataset, "done"))
+    done = ledger.committed(dataset)
     report = merge_dataset(settings.output_dir, dataset, done)
     merged = [json.loads(x) for x in Path(report.path).read_text().splitlines()]
     assert len(merged) == len({r["id"] for r in merged}) == expected

@@ -78,7 +78,7 @@ def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stac
         assert snap["tokens"] == sum(r["completion_tokens"] for r in records)
         assert snap["stats"]["samples"] == expected
         merged = merge_dataset(settings.output_dir, name,
-                               ledger.r.hgetall(ledger.k(name, "done")))
+                               ledger.committed(name))
         assert merged.records == expected and merged.duplicates == 0
         lines = Path(merged.path).read_text().splitlines()
         assert len(lines) == expected
