@@ -160,22 +160,38 @@ def test_a_read_timeout_aborts_the_request_on_the_server(stack: Stack) -> None:
 
 
 def test_a_server_down_for_a_while_does_not_burn_retries(stack: Stack) -> None:
-    # Given: a server that answers 503 for 6 s, and only one retry allowed per sample
+    # Given: a running worker, only one retry allowed per sample, and a server that
+    # answers 503 until the test says otherwise
     url = stack.start_simulator("--lengths", "fixed:20", "--decode-step-s", "0.002")
     settings = stack.configure(data_dir=str(partition(stack.tmp, 6)), short_concurrency=3,
                                max_retries=1, short_max_tokens=50)
-    set_fault(url, mode="down", duration_s=6)
-    stack.worker("short")
+    worker = stack.worker("short")
     stack.wait_workers(1)
-    # When: the run starts while it is down
-    started = time.monotonic()
+    set_fault(url, mode="down")
+    # When: the run starts while it is down, and every slot has met the outage
     ledger = start(stack, settings)
+    wait_until(lambda: len(_down_rejects(stack)) >= 3, 60, what="3 requests refused with 503")
+    wait_until(lambda: worker.log_text().count("unhealthy: waiting for it") >= 3, 60,
+               what="the worker to wait for the server")
+    # ... and it stays down for many retry backoffs (0.2 s each) after that
+    time.sleep(2.0)
+    set_fault(url, mode="none")
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
-    # Then: workers waited for it and the run finished by itself, nothing dead-lettered
-    assert time.monotonic() - started > 5
+
+    # Then: the refusals came before any request ran, the worker waited them out,
+    # and nothing was dead-lettered
+    # (a retry sent while it was down would be a fourth 503, and dead with max_retries 1)
+    rejects = _down_rejects(stack)
+    assert len(rejects) == 3
+    first_start = min(e["time"] for e in stack.sim_log() if e["event"] == "start")
+    assert max(e["time"] for e in rejects) < first_start
     assert ledger.dead("B1") == {}
-    print(f"FIGURE down: run took {time.monotonic() - started:.1f}s with 6s of outage")
+    print(f"FIGURE down: {len(rejects)} requests refused with 503, one per slot")
     assert_exact_accounting(stack, settings, "B1", 6)
+
+
+def _down_rejects(stack: Stack) -> list[dict[str, Any]]:
+    return [e for e in stack.sim_log() if e["event"] == "reject" and e["status"] == 503]
 
 
 def test_redis_restarted_empty_is_rebuilt_from_the_records(stack: Stack,
