@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from cli.stack import child_env, start_simulator, start_worker, wait_for_workers  # noqa: E402
 from config.settings import load_settings  # noqa: E402
 from datagen.celery_app import make_app  # noqa: E402
-from datagen.ledger import Ledger  # noqa: E402
+from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer  # noqa: E402

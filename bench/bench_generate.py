@@ -58,7 +58,7 @@ from cli.stack import Process, child_env, start_simulator, start_worker, wait_fo
 from config.settings import Settings, load_settings  # noqa: E402
 from datagen import keys  # noqa: E402
 from datagen.celery_app import make_app  # noqa: E402
-from datagen.ledger import Ledger  # noqa: E402
+from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer, classify, context_length  # noqa: E402
@@ -518,9 +518,10 @@ def code_digests() -> dict[str, str]:
     import hashlib  # noqa: PLC0415
 
     return {name: hashlib.sha256((REPO / name).read_bytes()).hexdigest()[:12] for name in (
-        "producers/producer.py", "datagen/guard.py", "datagen/celery_app.py", "datagen/job.py",
-        "datagen/ledger.py", "datagen/generation.py", "datagen/client.py",
-        "datagen/records.py", "workers/generate.py")}
+        "producers/producer.py", "datagen/generation/guard.py", "datagen/celery_app.py",
+        "datagen/generation/job.py",
+        "datagen/generation/ledger.py", "datagen/generation/runner.py", "datagen/client.py",
+        "datagen/generation/records.py", "workers/generate.py")}
 
 
 def machine(load_at_start: list[float]) -> dict[str, Any]:

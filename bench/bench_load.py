@@ -32,7 +32,7 @@ import json, resource, time
 import redis
 from config.settings import load_settings
 from datagen.celery_app import make_app
-from datagen.ledger import Ledger
+from datagen.generation.ledger import Ledger
 from producers.producer import Producer
 s = load_settings()
 r = redis.Redis.from_url(s.redis_url)

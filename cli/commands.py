@@ -13,11 +13,11 @@ from cli.extraction import cmd_calibrate, cmd_estimate, cmd_extract, cmd_prepare
 from config.settings import Settings, settings_fields
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
-from datagen.guard import close, enqueue
-from datagen.ledger import Ledger
-from datagen.liveness import sweep
-from datagen.merge import datasets_on_disk, merge_dataset
-from datagen.recovery import rebuild_dataset
+from datagen.generation.guard import close, enqueue
+from datagen.generation.ledger import Ledger
+from datagen.generation.liveness import sweep
+from datagen.generation.merge import datasets_on_disk, merge_dataset
+from datagen.generation.recovery import rebuild_dataset
 
 EXIT_BAD_INPUT = 3
 STALL_SWEEP_S = 3.0

@@ -23,7 +23,7 @@ from cli.stack import REPO, Process, child_env, start_simulator, start_worker, w
 from config.settings import load_settings
 from datagen import status as status_mod
 from datagen.celery_app import make_app
-from datagen.ledger import Ledger
+from datagen.generation.ledger import Ledger
 from datagen.redis_server import RedisServer
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer
 from datagen.training_set import extraction_dir, prepare, render

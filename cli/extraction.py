@@ -20,8 +20,8 @@ from datagen import extraction_ledger as xlm
 from datagen import training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
-from datagen.ledger import Ledger
-from datagen.merge import datasets_on_disk
+from datagen.generation.ledger import Ledger
+from datagen.generation.merge import datasets_on_disk
 
 EXIT_INCOMPLETE = 3  # something was dead-lettered (as `produce` does for bad input)
 LOST_AFTER_S = 3.0   # a shard seen nowhere this long had its message lost: send it again
@@ -222,7 +222,7 @@ def _budgeted_tokens(settings: Settings) -> tuple[dict[str, int], str]:
 
 
 def _tokens_on_disk(settings: Settings) -> dict[str, int]:
-    from datagen.records import canonical, iter_records, records_dir  # noqa: PLC0415
+    from datagen.generation.records import canonical, iter_records, records_dir  # noqa: PLC0415
 
     out = {}
     for ds in datasets_on_disk(settings.output_dir):

@@ -22,7 +22,7 @@ import redis
 
 from config.settings import Settings, masked_url
 from datagen import keys
-from datagen.ledger import Ledger
+from datagen.generation.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

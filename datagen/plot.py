@@ -17,9 +17,9 @@ from typing import Any
 import redis
 
 from config.settings import Settings
-from datagen.ledger import Ledger
-from datagen.merge import datasets_on_disk
-from datagen.records import canonical, counted_tokens, iter_records, records_dir
+from datagen.generation.ledger import Ledger
+from datagen.generation.merge import datasets_on_disk
+from datagen.generation.records import canonical, counted_tokens, iter_records, records_dir
 
 # A budget more than this many times the largest curve would flatten every curve to the
 # axis; it is named in the legend instead of drawn.

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from datagen.ledger import Ledger
+from datagen.generation.ledger import Ledger
 
 BAR_WIDTH = 20
 

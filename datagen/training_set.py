@@ -31,9 +31,9 @@ from typing import Any, BinaryIO
 
 from config.settings import Settings
 from datagen.errors import PermanentError
-from datagen.merge import datasets_on_disk, merge_dataset
+from datagen.generation.merge import datasets_on_disk, merge_dataset
+from datagen.generation.records import is_current, merged_path, write_atomic
 from datagen.progress import Progress
-from datagen.records import is_current, merged_path, write_atomic
 
 log = logging.getLogger(__name__)
 

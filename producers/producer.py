@@ -1,6 +1,6 @@
 """The producer: read datasets, tokenize with the chat template, enqueue what is missing.
 
-It enqueues by task name (``datagen.guard.enqueue`` → ``send_task``) and never
+It enqueues by task name (``datagen.generation.guard.enqueue`` → ``send_task``) and never
 imports worker code. Running it again enqueues only samples that are neither
 done nor already waiting in a queue.
 """
@@ -21,11 +21,11 @@ from celery import Celery
 from config.settings import Settings
 from datagen.client import SGLangClient
 from datagen.errors import ServerUnavailable
-from datagen.guard import enqueue
-from datagen.job import Job, PromptStore
-from datagen.ledger import Ledger
+from datagen.generation.guard import enqueue
+from datagen.generation.job import Job, PromptStore
+from datagen.generation.ledger import Ledger
+from datagen.generation.recovery import needs_rebuild, rebuild_dataset
 from datagen.progress import Progress, count_lines
-from datagen.recovery import needs_rebuild, rebuild_dataset
 from datagen.tokenizer import ChatEncoder
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 

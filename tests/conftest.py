@@ -16,7 +16,7 @@ import redis
 from cli.stack import Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import Settings, load_settings
 from datagen.celery_app import make_app
-from datagen.ledger import Ledger
+from datagen.generation.ledger import Ledger
 from datagen.redis_server import RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -15,7 +15,7 @@ from conftest import Stack, wait_until, write_jsonl
 
 from cli.commands import follow
 from cli.stack import REPO
-from datagen.records import iter_records, records_dir
+from datagen.generation.records import iter_records, records_dir
 from producers.producer import Producer
 
 

@@ -23,7 +23,7 @@ from conftest import Stack, wait_until, write_jsonl
 
 from cli.commands import follow
 from cli.stack import REPO
-from datagen.merge import merge_dataset
+from datagen.generation.merge import merge_dataset
 from datagen.redis_server import free_port
 from producers.producer import Producer
 

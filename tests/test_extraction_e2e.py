@@ -17,8 +17,8 @@ from test_pipeline import make_partition, run_to_end
 from cli.main import main
 from datagen import extraction_ledger as xlm
 from datagen.celery_app import EXTRACT_TASK
-from datagen.ledger import connect
-from datagen.records import merged_path
+from datagen.generation.ledger import connect
+from datagen.generation.records import merged_path
 from datagen.tiny_model import build_tiny_llama
 from datagen.training_set import extraction_dir, read_manifest, training_dir
 

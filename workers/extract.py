@@ -30,7 +30,7 @@ from datagen.celery_app import EXTRACT_TASK, app
 from datagen.errors import BadInput
 from datagen.estimate import InsufficientDiskSpace
 from datagen.extraction_ledger import GPU_QUEUE, ExtractionLedger
-from datagen.ledger import connect
+from datagen.generation.ledger import connect
 from datagen.training_set import extraction_dir
 
 log = logging.getLogger(__name__)

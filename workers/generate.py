@@ -10,10 +10,10 @@ from celery import signals
 from celery.exceptions import Ignore
 
 from datagen.celery_app import GENERATE_TASK, app
-from datagen.generation import STOPPING, Context, run_job
-from datagen.guard import enqueue, on_closed
-from datagen.job import Job
-from datagen.liveness import Heartbeat
+from datagen.generation.guard import enqueue, on_closed
+from datagen.generation.job import Job
+from datagen.generation.liveness import Heartbeat
+from datagen.generation.runner import STOPPING, Context, run_job
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import BadInput
-from datagen.job import Job, PromptStore, read_prompt
+from datagen.generation.job import Job, PromptStore, read_prompt
 
 
 def test_payload_round_trips_every_field() -> None:

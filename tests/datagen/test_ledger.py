@@ -9,7 +9,7 @@ import time
 import pytest
 
 from config.settings import Settings
-from datagen.ledger import Ledger, connect, length_model
+from datagen.generation.ledger import Ledger, connect, length_model
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from config.settings import Settings
-from datagen.ledger import Ledger, connect
+from datagen.generation.ledger import Ledger, connect
 from datagen.metrics import CONTENT_TYPE, make_server, record_request, render_metrics
 from datagen.redis_server import free_port
 

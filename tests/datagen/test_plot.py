@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from config.settings import Settings
-from datagen.ledger import Ledger, connect
+from datagen.generation.ledger import Ledger, connect
+from datagen.generation.records import records_dir
 from datagen.plot import load_series, plot_run, run_budgets
-from datagen.records import records_dir
 from datagen.redis_server import free_port
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

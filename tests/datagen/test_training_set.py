@@ -11,7 +11,7 @@ import pytest
 from conftest import write_jsonl
 
 from config.settings import Settings
-from datagen.records import merged_path
+from datagen.generation.records import merged_path
 from datagen.training_set import (
     TrainingSetChanged,
     extraction_dir,

@@ -16,10 +16,10 @@ from typing import Any
 from config.settings import Settings
 from datagen.client import Generation, SGLangClient, backoff_s, new_rid
 from datagen.errors import BadInput, BadRequest, LedgerUnavailable, ServerUnavailable, StorageError
-from datagen.job import Job, Prompt, read_prompt
-from datagen.ledger import Admission, Ledger
+from datagen.generation.job import Job, Prompt, read_prompt
+from datagen.generation.ledger import Admission, Ledger
+from datagen.generation.records import RECORD_VERSION, RecordWriter
 from datagen.metrics import record_request
-from datagen.records import RECORD_VERSION, RecordWriter
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from datagen.records import Problem, canonical, iter_records, merged_path, records_dir, write_atomic
+from datagen.generation.records import (
+    Problem,
+    canonical,
+    iter_records,
+    merged_path,
+    records_dir,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 

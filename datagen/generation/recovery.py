@@ -12,8 +12,14 @@ import logging
 from dataclasses import dataclass, field
 
 from datagen import keys
-from datagen.ledger import Ledger
-from datagen.records import canonical, counted_tokens, is_current, iter_records, records_dir
+from datagen.generation.ledger import Ledger
+from datagen.generation.records import (
+    canonical,
+    counted_tokens,
+    is_current,
+    iter_records,
+    records_dir,
+)
 
 log = logging.getLogger(__name__)
 

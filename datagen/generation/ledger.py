@@ -1,7 +1,7 @@
 """The ledger: per-dataset counters, done-sets, in-flight leases and closed flags in Redis.
 
 Every step that must be atomic across workers on many hosts is a Lua script
-(``datagen/lua``): admitting a request against the budget and committing a
+(``datagen/generation/lua``): admitting a request against the budget and committing a
 stored record. A sample delivered twice is stored twice at worst but counted
 once, because ``commit.lua`` lets only the first commit of a sample id count.
 """
@@ -47,7 +47,7 @@ class Commit:
 
 
 def _script(name: str) -> str:
-    return resources.files("datagen").joinpath("lua", name).read_text(encoding="utf-8")
+    return resources.files("datagen.generation").joinpath("lua", name).read_text(encoding="utf-8")
 
 
 def connect(url: str) -> redis.Redis:

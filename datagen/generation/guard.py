@@ -16,8 +16,8 @@ from celery import Celery
 
 from datagen.celery_app import GENERATE_TASK
 from datagen.client import SGLangClient
-from datagen.job import Job
-from datagen.ledger import Ledger
+from datagen.generation.job import Job
+from datagen.generation.ledger import Ledger
 
 log = logging.getLogger(__name__)
 

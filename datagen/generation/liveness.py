@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from datagen import keys
-from datagen.job import Job
-from datagen.ledger import Ledger
+from datagen.generation.job import Job
+from datagen.generation.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
