@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+import redis
 
 from cli.extraction import cmd_calibrate, cmd_estimate, cmd_extract, cmd_prepare
 from config.settings import Settings, settings_fields
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
+from datagen.errors import LedgerUnavailable
 from datagen.generation.guard import close, enqueue
+from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
 from datagen.generation.merge import datasets_on_disk, merge_dataset
-from datagen.generation.recovery import rebuild_dataset
 
 EXIT_BAD_INPUT = 3
 STALL_SWEEP_S = 3.0
@@ -80,15 +85,35 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def follow(ledger: Ledger, interval: float, until_finished: bool = True,
-           app: Any = None, timeout_s: float | None = None) -> list[status_mod.Row]:
-    """Redraw the status table until every dataset is finished (or forever)."""
+           app: Any = None, timeout_s: float | None = None,
+           on_lost: Callable[[], object] | None = None) -> list[status_mod.Row]:
+    """Redraw the status table until every dataset is finished (or forever).
+
+    Redis outages are waited out; a ledger that lost its state (no run marker) is never
+    finished: ``on_lost`` rebuilds it (``datagen run``), else the table says so.
+    """
     live = sys.stdout.isatty()
     started = time.monotonic()
     last_line = 0.0
     drawn = 0  # lines of the table drawn last time, redrawn in place (what is above stays)
     stalled_since: float | None = None
     while True:
-        table = status_mod.rows(ledger)
+        if timeout_s is not None and time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"run not finished after {timeout_s:.0f}s")
+        try:
+            table, lost = status_mod.rows(ledger), ledger.run_marker() is None
+        except (LedgerUnavailable, redis.exceptions.ConnectionError) as exc:
+            print(time.strftime("%H:%M:%S ") + f"Redis unreachable, waiting: {exc}", flush=True)
+            time.sleep(max(interval, 1.0))
+            continue
+        if lost:
+            print(time.strftime("%H:%M:%S ") + "the ledger lost its state (no run marker)"
+                  + ("; rebuilding it from the records" if on_lost else
+                     "; `datagen recover` rebuilds it from the records"), flush=True)
+            if on_lost is not None:
+                on_lost()
+            time.sleep(interval)
+            continue
         if live:
             text = status_mod.render(table, bars=True)
             up = f"\x1b[{drawn}F\x1b[J" if drawn else ""
@@ -100,16 +125,15 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
         if until_finished and status_mod.finished(table):
             return table
         # Samples pending while nothing runs and the queues are empty: their messages
-        # were lost (a worker killed right after taking one). Give them back.
+        # were lost (a worker killed right after taking one), or they wait for a wake
+        # nothing will send. Give them back.
         if app is not None and status_mod.stalled(table):
             stalled_since = stalled_since or time.monotonic()
             if time.monotonic() - stalled_since > STALL_SWEEP_S:
-                sweep(ledger, lambda job: enqueue(app, job))
+                sweep(ledger, lambda job: enqueue(app, job, retry=True))
                 stalled_since = None
         else:
             stalled_since = None
-        if timeout_s is not None and time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"run not finished after {timeout_s:.0f}s")
         time.sleep(interval)
 
 
@@ -122,7 +146,8 @@ def progress_line(table: list[status_mod.Row]) -> str:
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     code = cmd_produce(settings, args)
     ledger = _ledger(settings)
-    table = follow(ledger, args.interval, app=make_app(settings))
+    table = follow(ledger, args.interval, app=make_app(settings),
+                   on_lost=lambda: cmd_produce(settings, args))
     print(status_mod.render(table))
     _merge_all(settings, ledger)
     return code
@@ -162,15 +187,16 @@ def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
         print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}; reopened, enqueueing what "
               "is missing")
         return cmd_produce(settings.replace(partition=args.dataset), args)
+    for payload in ledger.unpark(args.dataset):  # parked samples may fit now
+        enqueue(app, Job.from_payload(json.loads(payload)), retry=True)
     print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}")
     return 0
 
 
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
-    ledger = _ledger(settings)
-    for dataset in datasets_on_disk(settings.output_dir):
-        rebuilt = rebuild_dataset(ledger, dataset)
-        print(rebuilt.line(ledger.budget(dataset)))
+    """Rebuild the ledger from the records, then enqueue what is missing. Safe while
+    workers run: without the run marker they hold their commits until it is back."""
+    _ledger(settings).unmark_run()
     return cmd_produce(settings, args)
 
 

@@ -8,6 +8,7 @@ for a client that went away.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -29,9 +30,19 @@ RETRY_STATUS = {500, 502, 503, 504}
 HEALTH_CACHE_S = 1.0
 
 
-def new_rid() -> str:
-    """Fixed-length unique rid: SGLang's abort matches rids by prefix."""
-    return uuid.uuid4().hex
+RID_PREFIX_LEN = 12
+
+
+def rid_prefix(dataset: str) -> str:
+    """The fixed-length start of every rid of a dataset: SGLang's ``/abort_request``
+    matches rids by prefix, so one call with it aborts the dataset's requests on a server
+    (fixed length, so no dataset's prefix is the start of another's)."""
+    return "d" + hashlib.sha1(dataset.encode("utf-8")).hexdigest()[:RID_PREFIX_LEN - 1]
+
+
+def new_rid(dataset: str = "") -> str:
+    """Unique rid of fixed length, starting with the dataset's prefix."""
+    return rid_prefix(dataset) + uuid.uuid4().hex
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Every Redis key the pipeline uses, in one place.
 
-All keys live under one prefix so ``datagen reset`` can remove a run's state
-without touching Celery's own keys. None of them expires: the ledger is the
-run's state and is rebuilt from the records on disk if Redis loses it.
+All keys live under one prefix, apart from Celery's own. None of them expires
+unless said: the ledger is the run's state and is rebuilt from the records on
+disk if Redis loses it (``RUN`` tells whether it did).
 Dataset names are validated by the reader (``[A-Za-z0-9][A-Za-z0-9_.-]*``),
 so they are safe inside key names.
 """
@@ -20,13 +20,34 @@ BUDGET_MEASURE = PREFIX + "budget_measure"
 SERVER_REQUESTS = PREFIX + "server:requests"
 SERVER_LATENCY_S = PREFIX + "server:latency_s"
 SERVER_TOKENS = PREFIX + "server:completion_tokens"
-# HASH worker id -> JSON {host, pid, queues, started}; liveness is WORKER_ALIVE.
-WORKERS = PREFIX + "workers"
+# STRING JSON {id, created}: the ledger's identity, written once the ledger holds the
+# run's state (first producer run, or a rebuild from the records). Absent = Redis lost its
+# data: workers hold their commits and start nothing until the ledger is rebuilt.
+RUN = PREFIX + "run"
+# redis-py Lock: held by the one process rebuilding the ledger from the records.
+REBUILD_LOCK = PREFIX + "rebuild_lock"
 
 
 def worker_alive(worker_id: str) -> str:
-    """STRING with a TTL of a few leases, refreshed by the worker's heartbeat."""
+    """STRING with a TTL of a lease, refreshed by the worker's heartbeat: who is up (for
+    status and start-up checks). Reclaiming work goes by each entry's lease, not this."""
     return f"{PREFIX}alive:{worker_id}"
+
+
+# STRING owner id with a TTL of half a lease: the one process reaping stale leases now.
+REAPER_LOCK = PREFIX + "reaper_lock"
+
+
+# Celery's queues on Redis: kombu keeps one LIST per priority step (0 is served first), so a
+# queue's length is the sum over these. Fresh work is sent at FRESH_PRIORITY, work that comes
+# back (reaped, swept, woken, handed back) at RETRY_PRIORITY, ahead of it.
+PRIORITY_STEPS = (0, 3, 6, 9)
+RETRY_PRIORITY = 0
+FRESH_PRIORITY = 9
+
+
+def queue_lists(queue: str) -> list[str]:
+    return [queue if step == 0 else f"{queue}\x06\x16{step}" for step in PRIORITY_STEPS]
 
 
 def dataset_key(dataset: str, part: str) -> str:
@@ -42,8 +63,20 @@ STATS = "stats"
 # HASH sample id -> JSON task payload of enqueued samples not yet done
 # (lets a sweep re-enqueue what a crash lost).
 PENDING = "pending"
-# HASH rid -> JSON {sample, worker, start, max_new_tokens, progress} of requests in flight.
+# HASH sample id -> JSON {rid, worker, server, start, max_new_tokens, prompt_tokens, b} of
+# requests in flight (start in Redis time; b = the BUCKETS field the entry is counted in).
 INFLIGHT = "inflight"
+# HASH "<start bucket>:<max_new_tokens>" -> requests in flight, "_prompt" -> their prompt
+# tokens: what admission reads, so its cost grows with buckets, not requests.
+BUCKETS = "buckets"
+# ZSET sample id -> lease deadline (Redis time, s) of its in-flight entry, renewed by the
+# owner's heartbeat; a stale one is reclaimed by any reaper, whoever owned it.
+LEASES = "leases"
+# ZSET sample id -> when it was parked: refused admission (no room in the budget yet),
+# waiting for a commit or release to wake it. Its payload stays in PENDING.
+PARKED = "parked"
+# STRING with a TTL (the model refresh interval): set by the commit that refreshes MODEL.
+MODEL_LOCK = "model_lock"
 # STRING: why the dataset is closed ("budget", "max_samples", "operator"); absent = open.
 CLOSED = "closed"
 # HASH sample id -> JSON {reason, time} of samples that will not be retried.

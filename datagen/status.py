@@ -21,6 +21,7 @@ class Row:
     percent: float
     samples: int
     queued: int
+    waiting: int  # parked: refused admission until a commit or release makes room
     in_flight: int
     dead: int
     revoked: int
@@ -37,6 +38,8 @@ def state_of(snap: dict[str, Any]) -> str:
         return f"closed ({closed})"
     if snap["in_flight"]:
         return "running"
+    if snap["pending"] and snap["pending"] == snap["waiting"]:
+        return "waiting"
     if snap["pending"]:
         return "queued"
     if snap["stats"].get("samples"):
@@ -51,14 +54,15 @@ def rows(ledger: Ledger) -> list[Row]:
         snap = ledger.snapshot(name)
         rate = ledger.tokens_per_s(name)
         state = state_of(snap)
-        if state not in ("running", "queued"):
+        if state not in ("running", "queued", "waiting"):
             rate = None  # nothing more will come: no rate, no ETA
         remaining = max(0, snap["budget"] - snap["tokens"])
         eta = remaining / rate if rate and rate > 0 else None
         stats = snap["stats"]
         out.append(Row(name, state, snap["budget"], snap["tokens"], remaining,
                        100.0 * snap["tokens"] / snap["budget"] if snap["budget"] else 0.0,
-                       int(stats.get("samples", 0)), snap["pending"], snap["in_flight"],
+                       int(stats.get("samples", 0)), max(0, snap["pending"] - snap["waiting"]),
+                       snap["waiting"], snap["in_flight"],
                        snap["dead"], int(stats.get("revoked", 0)),
                        int(stats.get("truncated", 0)), rate, eta))
     return out
@@ -71,14 +75,15 @@ def as_json(table: Sequence[Row]) -> list[dict[str, Any]]:
 def render(table: Sequence[Row], bars: bool = False) -> str:
     head = (f"{'dataset':<14} {'state':<17} {'tokens':>11} {'budget':>11} {'remaining':>11} "
             f"{'%':>6} "
-            f"{'samples':>7} {'queued':>6} {'flight':>6} {'dead':>4} {'revoked':>7} "
+            f"{'samples':>7} {'queued':>6} {'wait':>5} {'flight':>6} {'dead':>4} {'revoked':>7} "
             f"{'tok/s':>7} {'eta':>6}")
     lines = [head, "-" * len(head)]
     for r in table:
         lines.append(
             f"{r.dataset:<14} {r.state:<17} {r.tokens:>11,} {r.budget:>11,} {r.remaining:>11,} "
             f"{r.percent:>5.1f}% "
-            f"{r.samples:>7} {r.queued:>6} {r.in_flight:>6} {r.dead:>4} {r.revoked:>7} "
+            f"{r.samples:>7} {r.queued:>6} {r.waiting:>5} {r.in_flight:>6} {r.dead:>4} "
+            f"{r.revoked:>7} "
             f"{_num(r.tokens_per_s):>7} {_eta(r.eta_s):>6}")
         if bars:
             lines.append(f"{'':<14} {_bar(r.percent)}")
@@ -87,7 +92,8 @@ def render(table: Sequence[Row], bars: bool = False) -> str:
         f"{'total':<14} {'':<17} {sum(r.tokens for r in table):>11,} "
         f"{sum(r.budget for r in table):>11,} {sum(r.remaining for r in table):>11,} "
         f"{'':>6} {sum(r.samples for r in table):>7} "
-        f"{sum(r.queued for r in table):>6} {sum(r.in_flight for r in table):>6} "
+        f"{sum(r.queued for r in table):>6} {sum(r.waiting for r in table):>5} "
+        f"{sum(r.in_flight for r in table):>6} "
         f"{sum(r.dead for r in table):>4} {sum(r.revoked for r in table):>7}")
     return "\n".join(lines)
 
@@ -95,13 +101,13 @@ def render(table: Sequence[Row], bars: bool = False) -> str:
 def finished(table: Sequence[Row]) -> bool:
     """Nothing left to do: every dataset is closed, or has nothing queued or in flight."""
     return all(r.state.startswith("closed") and r.in_flight == 0
-               or (r.queued == 0 and r.in_flight == 0) for r in table)
+               or (r.queued == 0 and r.waiting == 0 and r.in_flight == 0) for r in table)
 
 
 def stalled(table: Sequence[Row]) -> bool:
     """An open dataset has pending samples but nothing of it is in flight."""
-    return any(not r.state.startswith("closed") and r.queued and not r.in_flight
-               for r in table)
+    return any(not r.state.startswith("closed") and (r.queued or r.waiting)
+               and not r.in_flight for r in table)
 
 
 def _bar(percent: float) -> str:

@@ -19,11 +19,13 @@ from pathlib import Path
 from celery import Celery
 
 from config.settings import Settings
+from datagen import keys
 from datagen.client import SGLangClient
 from datagen.errors import ServerUnavailable
-from datagen.generation.guard import enqueue
+from datagen.generation.guard import close, enqueue
 from datagen.generation.job import Job, PromptStore
 from datagen.generation.ledger import Ledger
+from datagen.generation.merge import datasets_on_disk
 from datagen.generation.recovery import needs_rebuild, rebuild_dataset
 from datagen.progress import Progress, count_lines
 from datagen.tokenizer import ChatEncoder
@@ -32,6 +34,7 @@ from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 log = logging.getLogger(__name__)
 
 BATCH = 256
+REBUILD_LOCK_S = 600
 REPORTS_DIR = "reports"
 
 
@@ -98,21 +101,44 @@ class Producer:
     def run(self) -> list[DatasetReport]:
         datasets = discover_datasets(Path(self.settings.data_dir), self.settings.partition)
         self.ledger.register(name for name, _ in datasets)
-        return [self.produce(name, path) for name, path in datasets]
+        reports = {name: DatasetReport(name) for name, _ in datasets}
+        self.rebuild(reports)
+        produced = [self.produce(name, path, reports.pop(name)) for name, path in datasets]
+        return produced + list(reports.values())  # rebuilt, though not in this partition
 
-    def produce(self, dataset: str, path: Path) -> DatasetReport:
-        report = DatasetReport(dataset)
-        if needs_rebuild(self.ledger, dataset):
+    def rebuild(self, reports: dict[str, DatasetReport]) -> None:
+        """Rebuild from the records on disk what the ledger does not hold, then mark the run.
+
+        Without the run marker (a first run, or Redis lost its data) every dataset on disk
+        is rebuilt, while workers hold their commits; the marker then lets them go on. One
+        process rebuilds at a time (a follower and `datagen recover` may both try).
+        """
+        if self.ledger.run_marker() is None:
+            with self.ledger.r.lock(keys.REBUILD_LOCK, timeout=REBUILD_LOCK_S):
+                if self.ledger.run_marker() is None:
+                    on_disk = datasets_on_disk(self.settings.output_dir)
+                    self._rebuild(reports, on_disk)
+                    self.ledger.mark_run()
+        self._rebuild(reports, [d for d in reports if needs_rebuild(self.ledger, d)])
+
+    def _rebuild(self, reports: dict[str, DatasetReport], datasets: list[str]) -> None:
+        for dataset in datasets:
+            self.ledger.register([dataset])
             rebuilt = rebuild_dataset(self.ledger, dataset)
-            report.rebuilt = rebuilt.line(self.ledger.budget(dataset))
-            log.info("rebuilt from records on disk: %s", report.rebuilt)
+            line = rebuilt.line(self.ledger.budget(dataset))
+            reports.setdefault(dataset, DatasetReport(dataset)).rebuilt = line
+            log.info("rebuilt from records on disk: %s", line)
+
+    def produce(self, dataset: str, path: Path, report: DatasetReport | None = None
+                ) -> DatasetReport:
+        report = report or DatasetReport(dataset)
         reason = self.skip_reason(dataset)
         if reason:
             report.skipped = reason
             log.info("%s", reason)
             return report
         done = self.ledger.done_ids(dataset)
-        queued = set(self.ledger.pending(dataset))
+        queued = set(self.ledger.r.hkeys(self.ledger.k(dataset, keys.PENDING)))
         cap = self._room(dataset, len(done))
         store = PromptStore(self.settings.output_dir, dataset)
         epoch = self.ledger.epoch(dataset)
@@ -145,6 +171,9 @@ class Producer:
     def skip_reason(self, dataset: str) -> str:
         snap = self.ledger.snapshot(dataset)
         if snap["tokens"] >= snap["budget"]:
+            # A budget lowered in the settings: the close acts now (revoke, abort), not at
+            # the next admission or commit.
+            close(self.app, self.ledger, dataset, "budget", self.settings.abort_on_close)
             return (f"{dataset}: {snap['tokens']:,} tokens >= budget {snap['budget']:,}, "
                     "skipping")
         if snap["closed"]:

@@ -1,10 +1,10 @@
-"""The generation task on the `short` and `long` queues: a thin wrapper over datagen.generation."""
+"""The generation task on the `short` and `long` queues: a thin wrapper over the core."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
-import time
 
 from celery import signals
 from celery.exceptions import Ignore
@@ -13,14 +13,13 @@ from datagen.celery_app import GENERATE_TASK, app
 from datagen.generation.guard import enqueue, on_closed
 from datagen.generation.job import Job
 from datagen.generation.liveness import Heartbeat
-from datagen.generation.runner import STOPPING, Context, run_job
+from datagen.generation.runner import STOPPING, Context, Outcome, run_job
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _context: Context | None = None
 _heartbeat: Heartbeat | None = None
-REQUEUE_PAUSE_S = 1.0
 
 
 def context() -> Context:
@@ -33,14 +32,15 @@ def context() -> Context:
 
 
 def requeue(job: Job) -> None:
-    enqueue(app, job)
+    """Work that comes back (reaped, woken, handed back) goes ahead of fresh work."""
+    enqueue(app, job, retry=True)
 
 
 @signals.worker_ready.connect
 def _start_heartbeat(**_: object) -> None:
     global _heartbeat
     ctx = context()
-    _heartbeat = Heartbeat(ctx.ledger, ctx.worker_id, ctx.settings.lease_s, requeue)
+    _heartbeat = Heartbeat(ctx.ledger, ctx.leases, ctx.settings.lease_s, requeue)
     _heartbeat.start()
 
 
@@ -58,14 +58,12 @@ def _hand_back(**_: object) -> None:
 
 
 def abort_own_requests(ctx: Context) -> int:
-    aborted = 0
-    for dataset in ctx.ledger.datasets():
-        for entry in ctx.ledger.in_flight(dataset).values():
-            if entry.get("worker") == ctx.worker_id:
-                ctx.client.abort(entry["rid"])
-                aborted += 1
-    log.warning("shutdown: aborted %d in-flight requests; their samples are re-enqueued", aborted)
-    return aborted
+    rids = ctx.leases.rids()
+    for rid in rids:
+        ctx.client.abort(rid)
+    log.warning("shutdown: aborted %d in-flight requests; their samples are re-enqueued",
+                len(rids))
+    return len(rids)
 
 
 @signals.worker_shutdown.connect
@@ -93,17 +91,27 @@ def generate(self, **payload: object) -> str:
     job = Job.from_payload(payload)
     ctx = context()
     outcome = run_job(ctx, job)
-    if outcome.closed_now:
-        on_closed(app, ctx.ledger, job.dataset, "budget",
-                  abort_in_flight=ctx.settings.abort_on_close)
-    if outcome.status == "requeue":
-        # No room in the budget yet (or this worker is stopping): give the slot away.
-        if not STOPPING.is_set():
-            time.sleep(REQUEUE_PAUSE_S)
-        requeue(job)
+    _follow_up(ctx, job, outcome)
+    if outcome.status == "waiting":
+        # Parked in the ledger until a commit or release wakes it: shown as WAITING.
+        self.send_event("task-waiting", dataset=job.dataset, sample=job.sample)
+        raise Ignore()
     if outcome.status == "closed":
         # Shown as revoked in Flower, like tasks the stamped revoke caught.
         self.send_event("task-revoked", terminated=False, signum=None, expired=False)
         ctx.ledger.count(job.dataset, "revoked")
         raise Ignore()
     return outcome.status
+
+
+def _follow_up(ctx: Context, job: Job, outcome: Outcome) -> None:
+    """What the outcome asks of the worker: close actions, woken and handed-back work."""
+    if outcome.closed_now:
+        on_closed(app, ctx.ledger, job.dataset, "budget", ctx.settings.abort_on_close)
+    for payload in outcome.woken:
+        requeue(Job.from_payload(json.loads(payload)))
+    if outcome.status == "requeue":
+        requeue(job)
+    if outcome.status == "lost":
+        log.warning("%s/%s dropped: the ledger lost its state; the producer re-enqueues it "
+                    "after the rebuild", job.dataset, job.sample)

@@ -2,9 +2,12 @@
 
 The Redis flag checked at task start (``admit.lua``) is what guarantees a closed
 dataset sends no new request, on any host, including workers that join later.
-A stamped revoke is only the accelerator: one broadcast per dataset, so workers
-drop its queued tasks without even reading the flag (REFERENCE §4: revokes are
-not persisted and miss workers that join later).
+Whoever sees a dataset close (the commit that reached the budget, an admission that
+found it over, ``datagen budget``) runs ``on_closed``: the close event, one stamped
+revoke so workers drop its queued tasks without even reading the flag (revokes are
+not persisted and miss workers that join later: the flag still holds), its pending
+payloads dropped, and with ``abort_on_close`` one ``/abort_request`` per server with
+the dataset's rid prefix, which aborts all of its requests there at once.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any
 
 from celery import Celery
 
+from config.settings import masked_url
+from datagen import keys
 from datagen.celery_app import GENERATE_TASK
-from datagen.client import SGLangClient
+from datagen.client import SGLangClient, rid_prefix
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 
@@ -24,11 +29,13 @@ log = logging.getLogger(__name__)
 STAMP_HEADER = "dg_epoch"
 
 
-def enqueue(app: Celery, job: Job, producer: Any = None) -> None:
+def enqueue(app: Celery, job: Job, producer: Any = None, retry: bool = False) -> None:
+    """Send one job; ``retry`` (work that came back) goes ahead of fresh work."""
     # A short kwargsrepr: Celery would otherwise saferepr the payload into every message
     # (~200 bytes of Redis memory per queued prompt, and most of the publishing time).
     app.send_task(GENERATE_TASK, kwargs=job.payload(), queue=job.queue, producer=producer,
                   argsrepr="", kwargsrepr=f"{job.dataset}/{job.sample}",
+                  priority=keys.RETRY_PRIORITY if retry else keys.FRESH_PRIORITY,
                   stamped_headers=[STAMP_HEADER], **{STAMP_HEADER: job.stamp})
 
 
@@ -42,6 +49,7 @@ def on_closed(app: Celery, ledger: Ledger, dataset: str, reason: str,
         app.control.revoke_by_stamped_headers({STAMP_HEADER: f"{dataset}#{epoch}"})
     except Exception as exc:  # the flag still holds; the revoke only saves time
         log.warning("stamped revoke for %s failed: %s", dataset, exc)
+    ledger.drop_pending(dataset)
     if abort_in_flight:
         abort_in_flight_requests(ledger, dataset)
 
@@ -55,14 +63,18 @@ def close(app: Celery, ledger: Ledger, dataset: str, reason: str,
 
 
 def abort_in_flight_requests(ledger: Ledger, dataset: str) -> int:
-    """Ask each in-flight request's server to abort it; the worker then discards it."""
-    entries = ledger.in_flight(dataset)
-    by_server: dict[str, list[str]] = {}
-    for entry in entries.values():
-        by_server.setdefault(entry.get("server") or ledger.settings.server_url, []).append(
-            entry["rid"])
-    for server, rids in by_server.items():
-        client = SGLangClient(server, ledger.settings.api_key, 5.0, 30.0)
-        for rid in rids:
-            client.abort(rid)
-    return len(entries)
+    """One ``/abort_request`` with the dataset's rid prefix to each server running its
+    requests; their workers then discard the partial outputs. Returns the servers asked."""
+    servers = {entry.get("server") or ledger.settings.server_url
+               for entry in ledger.in_flight(dataset).values()}
+    for server in servers:
+        client = SGLangClient(_unmasked(server, ledger), ledger.settings.api_key, 5.0, 30.0)
+        client.abort(rid_prefix(dataset))
+    return len(servers)
+
+
+def _unmasked(server: str, ledger: Ledger) -> str:
+    # Entries carry the server's masked URL (no password in Redis); the settings' own
+    # server_url is the one with credentials.
+    own = ledger.settings.server_url
+    return own if masked_url(own) == server else server

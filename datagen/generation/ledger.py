@@ -1,42 +1,48 @@
 """The ledger: per-dataset counters, done-sets, in-flight leases and closed flags in Redis.
 
 Every step that must be atomic across workers on many hosts is a Lua script
-(``datagen/generation/lua``): admitting a request against the budget and committing a
-stored record. A sample delivered twice is stored twice at worst but counted
-once, because ``commit.lua`` lets only the first commit of a sample id count.
+(``datagen/generation/lua``, each prefixed with ``_lib.lua``): admitting a request
+against the budget, committing a stored record, releasing, renewing and reclaiming
+leases, waking parked samples. A sample delivered twice is stored twice at worst but
+counted once, because ``commit.lua`` lets only the first commit of a sample id count.
+Scripts read time from Redis, so hosts with skewed clocks agree.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 import redis
 
-from config.settings import Settings
+from config.settings import Settings, masked_url
 from datagen import keys
 from datagen.errors import LedgerUnavailable
+from datagen.generation.admission import PRIOR_MEAN_TOKENS, PRIOR_TOKENS_PER_S, length_model
+
+__all__ = ["Admission", "Commit", "Ledger", "Reclaimed", "connect", "length_model", "owner_id"]
 
 log = logging.getLogger(__name__)
 
-PRIOR_MEAN_TOKENS = 2048
-MODEL_MIN_SAMPLES = 16
-PSEUDO_CENSORED = 2
-MODEL_POINTS = 96
-TAIL_POINTS = 32
 MODEL_REFRESH_S = 0.25
+# Parked samples woken per freed slot: one fills the slot; a second covers the case where
+# the freed request had been reserved at more than the one that replaces it.
+WAKE_PER_SLOT = 2
+REAP_BATCH = 500
 
 
 @dataclass(frozen=True)
 class Admission:
-    status: str  # ok | closed | done | busy | wait
+    status: str  # ok | closed | done | busy | wait | lost
     committed: int
     expected_in_flight: int
+    closed_now: bool = False
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,22 @@ class Commit:
     committed: bool  # False: the sample was already counted (a duplicate delivery)
     tokens: int
     closed_now: bool
+    woken: list[str] = field(default_factory=list)  # payloads of parked samples to enqueue
+    lost: bool = False  # no run marker: nothing was written, hold the commit
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    dataset: str
+    sample: str
+    payload: str  # "" when nothing is to be re-enqueued (closed dataset, no pending)
+    worker: str
 
 
 def _script(name: str) -> str:
-    return resources.files("datagen.generation").joinpath("lua", name).read_text(encoding="utf-8")
+    folder = resources.files("datagen.generation").joinpath("lua")
+    return (folder.joinpath("_lib.lua").read_text(encoding="utf-8") + "\n"
+            + folder.joinpath(name).read_text(encoding="utf-8"))
 
 
 def connect(url: str) -> redis.Redis:
@@ -57,12 +75,19 @@ def connect(url: str) -> redis.Redis:
                                 retry_on_timeout=True)
 
 
+def owner_id(host: str, pid: int) -> str:
+    """Unique per process start: a restarted container keeps its host name and pid."""
+    return f"{host}-{pid}-{secrets.token_hex(3)}"
+
+
 class Ledger:
+    SCRIPTS = ("admit", "commit", "release", "renew", "reap", "unpark")
+
     def __init__(self, client: redis.Redis, settings: Settings):
         self.r = client
         self.settings = settings
-        self._admit = client.register_script(_script("admit.lua"))
-        self._commit = client.register_script(_script("commit.lua"))
+        self._scripts = {name: client.register_script(_script(f"{name}.lua"))
+                         for name in self.SCRIPTS}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Ledger:
@@ -71,7 +96,7 @@ class Ledger:
     def k(self, dataset: str, part: str) -> str:
         return keys.dataset_key(dataset, part)
 
-    # -- set-up ---------------------------------------------------------------
+    # -- set-up and identity ------------------------------------------------------
 
     def register(self, datasets: Iterable[str]) -> None:
         """Record the run's datasets and their budgets from the settings."""
@@ -84,6 +109,20 @@ class Ledger:
             pipe.set(keys.BUDGET_MEASURE, self.settings.budget_counts)
             pipe.execute()
 
+    def run_marker(self) -> dict[str, Any] | None:
+        """The ledger's identity, or None when Redis lost (or never had) the run's state."""
+        raw = self._call(self.r.get, keys.RUN)
+        return json.loads(raw) if raw else None
+
+    def mark_run(self) -> bool:
+        """Write the run marker if absent (after the state is complete); True if written."""
+        marker = json.dumps({"id": secrets.token_hex(8), "created": time.time()})
+        return bool(self._call(self.r.set, keys.RUN, marker, nx=True))
+
+    def unmark_run(self) -> None:
+        """Pause the fleet's ledger writes (``recover`` rebuilds in the meantime)."""
+        self._call(self.r.delete, keys.RUN)
+
     def datasets(self) -> list[str]:
         return sorted(self.r.smembers(keys.DATASETS))
 
@@ -95,72 +134,105 @@ class Ledger:
 
     def admit(self, dataset: str, sample: str, rid: str, worker: str, prompt_tokens: int,
               max_new_tokens: int, precise: bool = True, server: str = "") -> Admission:
-        entry = json.dumps({"rid": rid, "worker": worker, "start": time.time(), "server": server,
-                            "prompt_tokens": prompt_tokens, "max_new_tokens": max_new_tokens})
-        ks = [self.k(dataset, keys.CLOSED), self.k(dataset, keys.DONE),
-              self.k(dataset, keys.INFLIGHT), self.k(dataset, keys.STATS), keys.BUDGETS,
-              self.k(dataset, keys.MODEL)]
-        args = [dataset, sample, entry, time.time(), self.settings.budget_for(dataset),
-                prompt_tokens, self.settings.budget_counts, int(precise), PRIOR_MEAN_TOKENS,
-                self.settings.admission_margin_sd]
-        status, committed, expected = self._run(self._admit, ks, args)
-        return Admission(str(status), int(committed), int(expected))
+        ks = [keys.RUN] + [self.k(dataset, p) for p in (
+            keys.CLOSED, keys.DONE, keys.INFLIGHT, keys.STATS)] + [keys.BUDGETS] + [
+            self.k(dataset, p) for p in (keys.MODEL, keys.BUCKETS, keys.LEASES, keys.PARKED)]
+        args = [dataset, sample, rid, worker, masked_url(server) if server else "",
+                prompt_tokens, max_new_tokens, self.settings.budget_counts, int(precise),
+                PRIOR_TOKENS_PER_S, self.settings.admission_margin_sd,
+                self.settings.budget_for(dataset), self.settings.lease_s, PRIOR_MEAN_TOKENS]
+        status, committed, expected, closed_now = self._run("admit", ks, args)
+        return Admission(str(status), int(committed), int(expected), bool(closed_now))
 
     def commit(self, dataset: str, sample: str, rid: str, prompt_tokens: int,
-               completion_tokens: int, truncated: bool, latency_s: float) -> Commit:
+               completion_tokens: int, truncated: bool, latency_s: float,
+               server: str = "") -> Commit:
         counted = completion_tokens
         if self.settings.budget_counts == "total":
             counted += prompt_tokens
-        ks = [self.k(dataset, p) for p in (keys.DONE, keys.STATS, keys.INFLIGHT, keys.PENDING,
-                                            keys.LENGTHS, keys.CLOSED)] + [
-            keys.BUDGETS, self.k(dataset, keys.SPEEDS), self.k(dataset, keys.PROGRESS)]
+        ks = [keys.RUN] + [self.k(dataset, p) for p in (
+            keys.DONE, keys.STATS, keys.INFLIGHT, keys.PENDING, keys.LENGTHS, keys.CLOSED)] + [
+            keys.BUDGETS] + [self.k(dataset, p) for p in (
+                keys.SPEEDS, keys.PROGRESS, keys.BUCKETS, keys.LEASES, keys.PARKED, keys.DEAD,
+                keys.MODEL_LOCK)] + [
+            keys.SERVER_REQUESTS, keys.SERVER_LATENCY_S, keys.SERVER_TOKENS]
         args = [dataset, sample, rid, counted, prompt_tokens, completion_tokens, int(truncated),
                 self.settings.budget_for(dataset), self.settings.max_samples or 0,
-                keys.LENGTHS_KEPT, latency_s, time.time()]
-        ok, tokens, closed_now = self._run(self._commit, ks, args)
-        if ok:
-            self._maybe_refresh_model(dataset)
-        return Commit(bool(ok), int(tokens), bool(closed_now))
+                keys.LENGTHS_KEPT, latency_s, masked_url(server or self.settings.server_url),
+                WAKE_PER_SLOT, int(MODEL_REFRESH_S * 1000)]
+        status, tokens, closed_now, refresh, *woken = self._run("commit", ks, args)
+        if status == "lost":
+            return Commit(False, 0, False, lost=True)
+        if refresh:
+            self.refresh_model(dataset)
+        return Commit(status == "ok", int(tokens), bool(closed_now), list(woken))
 
-    def release(self, dataset: str, sample: str, rid: str) -> None:
-        """Drop an in-flight entry that did not end in a commit (failure, abort, refusal)."""
-        key = self.k(dataset, keys.INFLIGHT)
-        raw = self.r.hget(key, sample)
-        if raw and json.loads(raw).get("rid") == rid:
-            self.r.hdel(key, sample)
+    def release(self, dataset: str, sample: str, rid: str) -> list[str]:
+        """Drop an in-flight entry that did not end in a commit, if this rid still holds it;
+        returns the payloads of parked samples woken into the freed slot."""
+        ks = [self.k(dataset, p) for p in (keys.INFLIGHT, keys.BUCKETS, keys.LEASES,
+                                            keys.PARKED, keys.PENDING, keys.CLOSED)]
+        released, *woken = self._run("release", ks, [sample, rid, WAKE_PER_SLOT])
+        return list(woken) if released else []
 
-    def _run(self, script: Any, ks: list[str], args: list[Any]) -> Any:
+    def renew(self, held: Mapping[str, Sequence[tuple[str, str]]]) -> int:
+        """Renew the leases of this owner's requests: dataset -> [(sample, rid)]."""
+        script = self._scripts["renew"]
+        with self.r.pipeline(transaction=False) as pipe:
+            for dataset, pairs in held.items():
+                args = [self.settings.lease_s] + [x for pair in pairs for x in pair]
+                script(keys=[self.k(dataset, keys.INFLIGHT), self.k(dataset, keys.LEASES)],
+                       args=args, client=pipe)
+            try:
+                return sum(int(x) for x in pipe.execute())
+            except redis.exceptions.ConnectionError as exc:
+                raise LedgerUnavailable(f"Redis unreachable: {exc}") from exc
+
+    def reap(self, dataset: str) -> list[Reclaimed]:
+        """Reclaim the dataset's in-flight entries whose lease is stale, whoever owns them."""
+        ks = [self.k(dataset, p) for p in (keys.INFLIGHT, keys.BUCKETS, keys.LEASES,
+                                            keys.PENDING, keys.STATS, keys.CLOSED)]
+        flat = self._run("reap", ks, [REAP_BATCH])
+        return [Reclaimed(dataset, *flat[i:i + 3]) for i in range(0, len(flat), 3)]
+
+    def unpark(self, dataset: str, count: int = 0) -> list[str]:
+        """Wake ``count`` parked samples (0: all); returns their payloads to enqueue."""
+        ks = [self.k(dataset, p) for p in (keys.PARKED, keys.PENDING, keys.CLOSED)]
+        return list(self._run("unpark", ks, [count]))
+
+    def parked(self, dataset: str) -> set[str]:
+        return set(self.r.zrange(self.k(dataset, keys.PARKED), 0, -1))
+
+    def _run(self, name: str, ks: list[str], args: list[Any]) -> Any:
+        return self._call(self._scripts[name], keys=ks, args=args)
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return script(keys=ks, args=args)
+            return fn(*args, **kwargs)
         except redis.exceptions.ConnectionError as exc:
             raise LedgerUnavailable(f"Redis unreachable: {exc}") from exc
 
     # -- the length model used by admission ---------------------------------------
 
-    def _maybe_refresh_model(self, dataset: str) -> None:
-        """Refresh at most every MODEL_REFRESH_S per dataset, across all workers."""
-        lock = self.k(dataset, keys.MODEL) + ":lock"
-        if self.r.set(lock, "1", nx=True, px=int(MODEL_REFRESH_S * 1000)):
-            self.refresh_model(dataset)
-
     def refresh_model(self, dataset: str) -> dict[str, Any] | None:
-        lengths = [int(x) for x in self.r.lrange(self.k(dataset, keys.LENGTHS), 0, -1)]
-        stats = self.r.hgetall(self.k(dataset, keys.STATS))
+        """Learn the length model from completed lengths and the in-flight buckets."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.lrange(self.k(dataset, keys.LENGTHS), 0, -1)
+            pipe.hgetall(self.k(dataset, keys.STATS))
+            pipe.lrange(self.k(dataset, keys.SPEEDS), 0, -1)
+            pipe.hgetall(self.k(dataset, keys.BUCKETS))
+            pipe.time()
+            raw_lengths, stats, speeds, buckets, (sec, usec) = pipe.execute()
         decoded, decode_s = 0.0, 0.0
-        for pair in self.r.lrange(self.k(dataset, keys.SPEEDS), 0, -1):
+        for pair in speeds:
             tokens, seconds = pair.split()
             decoded, decode_s = decoded + float(tokens), decode_s + float(seconds)
         if not decode_s:
             decoded, decode_s = float(stats.get("decoded", 0)), float(stats.get("decode_s", 0))
         rate = decoded / decode_s if decode_s > 0 else None
-        now = time.time()
-        censored, cap = [], int(stats.get("cap", 0))
-        for entry in self.in_flight(dataset).values():
-            cap = max(cap, int(entry.get("max_new_tokens") or 0))
-            if rate:
-                progress = (now - entry["start"]) * rate
-                censored.append(min(progress, entry.get("max_new_tokens") or progress))
-        model = length_model(lengths, decoded, decode_s, censored, cap or None)
+        model = length_model([int(x) for x in raw_lengths], decoded, decode_s,
+                             censored_progress(buckets, sec + usec / 1e6, rate),
+                             int(stats.get("cap", 0)) or None)
         if model is not None:
             self.r.set(self.k(dataset, keys.MODEL), json.dumps(model))
         return model
@@ -196,7 +268,16 @@ class Ledger:
         return self.r.get(self.k(dataset, keys.CLOSED))
 
     def close(self, dataset: str, reason: str) -> bool:
-        return bool(self.r.set(self.k(dataset, keys.CLOSED), reason, nx=True))
+        """Set the closed flag (first reason wins); its parked samples need no waking."""
+        with self.r.pipeline() as pipe:
+            pipe.set(self.k(dataset, keys.CLOSED), reason, nx=True)
+            pipe.delete(self.k(dataset, keys.PARKED))
+            closed, _ = pipe.execute()
+        return bool(closed)
+
+    def drop_pending(self, dataset: str) -> None:
+        """A closed dataset's queued payloads are never needed again (a reopen re-enqueues)."""
+        self.r.delete(self.k(dataset, keys.PENDING), self.k(dataset, keys.PARKED))
 
     def reopen(self, dataset: str) -> int:
         """Open a closed dataset again; returns the new epoch for its task stamps.
@@ -205,7 +286,8 @@ class Ledger:
         producer then enqueues everything that is missing anew.
         """
         with self.r.pipeline() as pipe:
-            pipe.delete(self.k(dataset, keys.CLOSED), self.k(dataset, keys.PENDING))
+            pipe.delete(self.k(dataset, keys.CLOSED), self.k(dataset, keys.PENDING),
+                        self.k(dataset, keys.PARKED))
             pipe.incr(self.k(dataset, keys.EPOCH))
             _, epoch = pipe.execute()
         return int(epoch)
@@ -253,96 +335,26 @@ class Ledger:
             pipe.hlen(self.k(dataset, keys.DEAD))
             pipe.get(self.k(dataset, keys.CLOSED))
             pipe.hget(keys.BUDGETS, dataset)
-            stats, pending, in_flight, dead, closed, budget = pipe.execute()
+            pipe.zcard(self.k(dataset, keys.PARKED))
+            stats, pending, in_flight, dead, closed, budget, parked = pipe.execute()
         stats = {k: float(v) if "." in v else int(v) for k, v in stats.items()}
         budget = int(budget) if budget is not None else self.settings.budget_for(dataset)
         return {"dataset": dataset, "budget": budget,
                 "tokens": int(stats.get("tokens", 0)), "stats": stats,
-                "pending": pending, "in_flight": in_flight, "dead": dead, "closed": closed}
+                "pending": pending, "in_flight": in_flight, "dead": dead, "closed": closed,
+                "waiting": parked}
 
 
-def length_model(lengths: list[int], decoded: float, decode_s: float,
-                 censored: list[float] | None = None, cap: int | None = None
-                 ) -> dict[str, Any] | None:
-    """Table of E[L | L > t] for admission, learnt from the dataset's own responses.
-
-    Completed lengths alone are biased short (short responses finish first), so
-    requests still in flight count as censored observations (L > progress so far)
-    in a Kaplan–Meier estimate of the survival curve S. Then
-    E[L | L > t] = t + (integral of S from t to the cap) / S(t). Mass that KM
-    leaves beyond the longest observation is put at the cap (max_new_tokens):
-    conservative, and it shrinks as requests complete.
-    ``t``/``m``/``v`` are the table (threshold, conditional mean, conditional variance),
-    ``tail`` the mean excess past the last threshold, ``mean``/``var`` of L, ``rate``
-    tokens per second of one request (turns elapsed time into progress).
-    """
-    if len(lengths) < MODEL_MIN_SAMPLES:
-        return None
-    # Two pseudo-observations censored at the longest length seen: a few dozen samples
-    # cannot rule out longer responses, so part of the mass stays up to the cap. Their
-    # weight fades as samples accumulate (2 in 4,096 at most).
-    longest = max(lengths)
-    censored = list(censored or []) + [float(longest)] * PSEUDO_CENSORED
-    points, survival = _kaplan_meier(lengths, censored)
-    top = max(longest, max(censored))
-    cap = max(cap or top, top)
-    # Area under S and under 2u·S(u) to the right of each point (first and second
-    # moments), with the leftover mass at the cap.
-    areas, areas2 = [0.0] * len(points), [0.0] * len(points)
-    area = survival[-1] * (cap - points[-1])
-    area2 = survival[-1] * (cap * cap - points[-1] ** 2)
-    for i in range(len(points) - 1, -1, -1):
-        areas[i], areas2[i] = area, area2
-        if i:
-            area += survival[i - 1] * (points[i] - points[i - 1])
-            area2 += survival[i - 1] * (points[i] ** 2 - points[i - 1] ** 2)
-    mean = area + points[0]  # S = 1 on [0, first point)
-    second = area2 + points[0] ** 2
-    step = max(1, len(points) // MODEL_POINTS)
-    # Quantile-spaced points, plus every one of the last TAIL_POINTS: the long requests
-    # still in flight at the end of a dataset are the ones whose estimate decides the stop.
-    picked = sorted(set(range(0, len(points), step)) |
-                    set(range(max(0, len(points) - TAIL_POINTS), len(points))))
-    thresholds, means, variances = [0], [mean], [max(0.0, second - mean * mean)]
-    for i in picked:
-        if survival[i] <= 1e-9:
-            break
-        m1 = points[i] + areas[i] / survival[i]
-        m2 = points[i] ** 2 + areas2[i] / survival[i]
-        thresholds.append(int(points[i]))
-        means.append(m1)
-        variances.append(max(0.0, m2 - m1 * m1))
-    if cap > thresholds[-1]:
-        # Past the last point a request can only end between where it is and the cap.
-        thresholds.append(int(cap))
-        means.append(float(cap))
-        variances.append(0.0)
-    tail = means[-1] - thresholds[-1]
-    rate = decoded / decode_s if decode_s > 0 else 50.0
-    return {"t": thresholds, "m": means, "v": variances, "tail": max(1.0, tail),
-            "mean": mean, "var": variances[0], "rate": rate, "n": len(lengths),
-            "censored": len(censored) - PSEUDO_CENSORED}
-
-
-def _kaplan_meier(events: list[int], censored: list[float]
-                  ) -> tuple[list[float], list[float]]:
-    """Distinct observation points and the survival S(t) just after each."""
-    obs = sorted([(float(x), 1) for x in events] + [(float(x), 0) for x in censored])
-    at_risk = len(obs)
-    points: list[float] = []
-    survival: list[float] = []
-    s = 1.0
-    i = 0
-    while i < len(obs):
-        t = obs[i][0]
-        deaths = removed = 0
-        while i < len(obs) and obs[i][0] == t:
-            deaths += obs[i][1]
-            removed += 1
-            i += 1
-        if deaths:
-            s *= 1.0 - deaths / at_risk
-        at_risk -= removed
-        points.append(t)
-        survival.append(s)
-    return points, survival
+def censored_progress(buckets: Mapping[str, str], now: float, rate: float | None
+                      ) -> list[float]:
+    """Progress so far of the requests in flight (censored lengths), from the buckets:
+    each bucket's requests at its middle, capped at its max_new_tokens."""
+    if not rate:
+        return []
+    out: list[float] = []
+    for name, count in buckets.items():
+        if name == "_prompt" or int(count) <= 0:
+            continue
+        start, cap = name.split(":")
+        out.extend([min(max(0.0, now - float(start)) * rate, float(cap))] * int(count))
+    return out

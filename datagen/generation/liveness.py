@@ -1,10 +1,12 @@
-"""Worker heartbeats and the reaper that gives a dead worker's samples back.
+"""Worker heartbeats: lease renewal, and the reaper that gives lost work back.
 
-Tasks are acked early (REFERENCE §4), so when a worker dies its in-flight
-samples exist only as ledger entries. Every worker refreshes a short-lived
-``alive`` key; any live worker's reaper re-enqueues the in-flight samples of a
-worker whose key expired. A sample is then redone within a few leases instead
-of after kombu's visibility timeout, and counted once by ``commit.lua``.
+Tasks are acked early, so when a worker dies its in-flight samples exist only as
+ledger entries, each with a lease its owner's heartbeat renews. Any live worker's
+reaper reclaims entries whose lease went stale, whoever owned them, and re-enqueues
+their samples ahead of fresh work; ``commit.lua`` counts a sample once however often
+it runs. A reaper reaps only after a full lease of unbroken contact with Redis: after
+an outage, every live worker has renewed its leases by then, so live requests are
+never taken for dead ones.
 """
 
 from __future__ import annotations
@@ -17,83 +19,85 @@ from collections.abc import Callable
 
 from datagen import keys
 from datagen.generation.job import Job
+from datagen.generation.lease import LeaseBook
 from datagen.generation.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
-REAPER_LOCK = keys.PREFIX + "reaper_lock"
+Requeue = Callable[[Job], None]
 
 
 class Heartbeat:
-    def __init__(self, ledger: Ledger, worker_id: str, lease_s: float,
-                 requeue: Callable[[Job], None]):
+    def __init__(self, ledger: Ledger, book: LeaseBook, lease_s: float, requeue: Requeue):
         self.ledger = ledger
-        self.worker_id = worker_id
+        self.book = book
         self.lease_s = lease_s
         self.requeue = requeue
         self._stop = threading.Event()
+        self._connected_since: float | None = None
         self._thread = threading.Thread(target=self._loop, name="datagen-heartbeat",
                                         daemon=True)
 
     def start(self) -> None:
-        self.beat()
+        self._tick()
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self.ledger.r.delete(keys.worker_alive(self.worker_id))
+        try:
+            self.ledger.r.delete(keys.worker_alive(self.book.owner))
+        except Exception as exc:  # Redis away at shutdown: the presence key just expires
+            log.warning("heartbeat stop: %s", exc)
 
     def beat(self) -> None:
-        self.ledger.r.set(keys.worker_alive(self.worker_id), "1",
-                          px=int(self.lease_s * 1000))
+        """Presence, lease renewal and deferred releases, in that order."""
+        self.ledger.r.set(keys.worker_alive(self.book.owner), "1", px=int(self.lease_s * 1000))
+        for payload in self.book.renew():
+            self.requeue(Job.from_payload(json.loads(payload)))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
-            try:
-                self.beat()
-                if self.ledger.r.set(REAPER_LOCK, self.worker_id, nx=True,
-                                     px=int(self.lease_s * 500)):
-                    reap(self.ledger, self.lease_s, self.requeue)
-            except Exception as exc:  # Redis restarting: keep beating
-                log.warning("heartbeat: %s", exc)
+            self._tick()
+
+    def _tick(self) -> None:
+        try:
+            self.beat()
+            now = time.monotonic()
+            self._connected_since = self._connected_since or now
+            if now - self._connected_since >= self.lease_s and self.ledger.r.set(
+                    keys.REAPER_LOCK, self.book.owner, nx=True, px=int(self.lease_s * 500)):
+                reap(self.ledger, self.requeue)
+        except Exception as exc:  # Redis restarting: keep beating, and start over
+            self._connected_since = None
+            log.warning("heartbeat: %s", exc)
 
 
-def reap(ledger: Ledger, lease_s: float, requeue: Callable[[Job], None]) -> int:
-    """Re-enqueue in-flight samples whose worker stopped beating; returns how many."""
-    now = time.time()
+def reap(ledger: Ledger, requeue: Requeue) -> int:
+    """Re-enqueue the samples of in-flight entries whose lease is stale; returns how many."""
     count = 0
     for dataset in ledger.datasets():
-        key = ledger.k(dataset, keys.INFLIGHT)
-        for sample, raw in ledger.r.hgetall(key).items():
-            entry = json.loads(raw)
-            if now - entry.get("start", now) < lease_s:
-                continue
-            if ledger.r.exists(keys.worker_alive(entry.get("worker", ""))):
-                continue
-            # Only the reaper that removes the entry re-enqueues it.
-            if not ledger.r.hdel(key, sample):
-                continue
-            payload = ledger.r.hget(ledger.k(dataset, keys.PENDING), sample)
-            ledger.count(dataset, "reaped")
-            if payload:
-                requeue(Job.from_payload(json.loads(payload)))
+        for gone in ledger.reap(dataset):
+            log.warning("%s/%s: lease of %s went stale mid-request; re-enqueued", dataset,
+                        gone.sample, gone.worker or "?")
+            if gone.payload:
+                requeue(Job.from_payload(json.loads(gone.payload)))
                 count += 1
-            log.warning("%s/%s: worker %s died mid-request; re-enqueued", dataset, sample,
-                        entry.get("worker"))
     return count
 
 
 def queued_messages(ledger: Ledger, queues: tuple[str, ...] = ("short", "long")) -> int:
-    """Messages waiting in the generation queues, plus unacked ones of any queue."""
+    """Messages waiting in the generation queues (every priority), plus unacked ones."""
     with ledger.r.pipeline(transaction=False) as pipe:
         for queue in queues:
-            pipe.llen(queue)
+            for name in keys.queue_lists(queue):
+                pipe.llen(name)
         pipe.hlen("unacked")
         return sum(int(x) for x in pipe.execute())
 
 
-def sweep(ledger: Ledger, requeue: Callable[[Job], None]) -> int:
-    """Re-enqueue pending samples that are nowhere: not queued, not in flight, not done.
+def sweep(ledger: Ledger, requeue: Requeue) -> int:
+    """Re-enqueue pending samples that are nowhere: not queued, not in flight, not done;
+    parked samples of a dataset with nothing in flight are woken (nothing else will).
 
     Only sound when the generation queues are empty, so it checks that first: a
     message lost between an early ack and the in-flight entry (a worker killed in
@@ -106,12 +110,17 @@ def sweep(ledger: Ledger, requeue: Callable[[Job], None]) -> int:
         if ledger.closed(dataset):
             continue
         in_flight = ledger.in_flight(dataset)
-        done = ledger.done_ids(dataset)
+        woken = [Job.from_payload(json.loads(p)) for p in
+                 (ledger.unpark(dataset) if not in_flight else [])]
+        for job in woken:
+            requeue(job)
+        count += len(woken)
+        skip = (set(in_flight) | ledger.done_ids(dataset) | ledger.parked(dataset)
+                | {job.sample for job in woken})
         for sample, payload in ledger.pending(dataset).items():
-            if sample in in_flight or sample in done:
-                continue
-            requeue(Job.from_payload(json.loads(payload)))
-            count += 1
+            if sample not in skip:
+                requeue(Job.from_payload(json.loads(payload)))
+                count += 1
     if count:
-        log.warning("sweep re-enqueued %d samples whose messages were lost", count)
+        log.warning("sweep re-enqueued %d samples whose messages were lost or that waited", count)
     return count

@@ -1,7 +1,9 @@
 """Durable response records on a (possibly shared) filesystem.
 
-Each worker process appends to files of its own, ``records/<dataset>/<host>-<pid>.jsonl``,
-so no two hosts ever append to one file over NFS. A record is flushed and
+Each worker process appends to files of its own, ``records/<dataset>/<owner>.jsonl``
+(owner = host, pid and a random part: unique per process start, so a restarted container
+with the same host name and pid starts a file of its own), so no two processes ever append
+to one file over NFS. A record is flushed and
 fsynced before its tokens are committed in the ledger: a crash can leave a record
 that is not counted (it is redone and the later copy ignored at merge), never a
 count without a record. A torn last line (killed mid-write) is skipped when read.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Iterator, Mapping
@@ -41,7 +44,7 @@ class RecordWriter:
 
     def __init__(self, output_dir: str | Path, writer_id: str | None = None):
         self.output_dir = Path(output_dir)
-        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self._lock = threading.Lock()
         self._files: dict[str, Any] = {}
 
@@ -64,6 +67,7 @@ class RecordWriter:
             folder = records_dir(self.output_dir, dataset)
             folder.mkdir(parents=True, exist_ok=True)
             fh = open(folder / f"{self.writer_id}.jsonl", "ab")  # noqa: SIM115 (kept open)
+            _end_torn_line(fh)
             self._files[dataset] = fh
         return fh
 
@@ -72,6 +76,19 @@ class RecordWriter:
             for fh in self._files.values():
                 fh.close()
             self._files.clear()
+
+
+def _end_torn_line(fh: Any) -> None:
+    """A file that ends mid-line (its writer was killed mid-write) gets a newline first, so
+    the next record starts a line of its own instead of being glued to the torn one."""
+    size = os.fstat(fh.fileno()).st_size
+    if not size:
+        return
+    with open(fh.name, "rb") as reader:
+        reader.seek(size - 1)
+        if reader.read(1) != b"\n":
+            fh.write(b"\n")
+            fh.flush()
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,9 @@ def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
     out.samples, out.tokens = stats["samples"], stats["tokens"]
     out.closed = out.tokens >= ledger.budget(dataset)
     if out.closed:
-        ledger.close(dataset, "budget")
+        ledger.close(dataset, "budget")  # a close with another reason stays as it was
+    elif ledger.settings.max_samples and out.samples >= ledger.settings.max_samples:
+        ledger.close(dataset, "max_samples")
     return out
 
 
@@ -84,8 +86,11 @@ def _store(ledger: Ledger, dataset: str, done: dict[str, str], stats: dict[str, 
            lengths: list[int]) -> None:
     r = ledger.r
     k = ledger.k
+    # Counters the records decide are overwritten; the others (dead, revoked, reaped, ...)
+    # and the close flag with its reason are kept. Callers hold the run marker off meanwhile,
+    # so no worker commits while this is written.
     with r.pipeline() as pipe:
-        for part in (keys.DONE, keys.STATS, keys.LENGTHS, keys.SPEEDS, keys.MODEL, keys.CLOSED):
+        for part in (keys.DONE, keys.LENGTHS, keys.SPEEDS, keys.MODEL):
             pipe.delete(k(dataset, part))
         if done:
             pipe.hset(k(dataset, keys.DONE), mapping=done)
@@ -98,6 +103,7 @@ def _store(ledger: Ledger, dataset: str, done: dict[str, str], stats: dict[str, 
 
 
 def needs_rebuild(ledger: Ledger, dataset: str) -> bool:
-    """Redis knows nothing of a dataset that has records on disk."""
+    """Redis knows nothing of a dataset that has records on disk (with the run marker in
+    place: without it, every dataset on disk is rebuilt)."""
     has_records = any(records_dir(ledger.settings.output_dir, dataset).glob("*.jsonl"))
     return has_records and not ledger.r.exists(ledger.k(dataset, keys.STATS))

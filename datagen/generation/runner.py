@@ -7,55 +7,68 @@ a function here so tests and benchmarks can drive them without Celery.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 from config.settings import Settings
 from datagen.client import Generation, SGLangClient, backoff_s, new_rid
-from datagen.errors import BadInput, BadRequest, LedgerUnavailable, ServerUnavailable, StorageError
+from datagen.errors import (
+    BadInput,
+    BadRequest,
+    LedgerUnavailable,
+    ServerUnavailable,
+    StorageError,
+)
 from datagen.generation.job import Job, Prompt, read_prompt
-from datagen.generation.ledger import Admission, Ledger
+from datagen.generation.lease import Lease, LeaseBook
+from datagen.generation.ledger import Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter
-from datagen.metrics import record_request
 
 log = logging.getLogger(__name__)
 
-ADMISSION_WAIT_S = 2.0
 HEALTH_POLL_S = 2.0
 LEDGER_WAIT_S = 600.0
+LEDGER_POLL_S = 1.0
 # Set when the worker is shutting down: no new request starts, in-flight ones are handed back.
 STOPPING = threading.Event()
+T = TypeVar("T")
 
 
 @dataclass
 class Context:
-    """What a worker process holds once: settings, ledger, HTTP client, record writer."""
+    """What a worker process holds once: settings, ledger, HTTP client, records, leases."""
 
     settings: Settings
     ledger: Ledger
     client: SGLangClient
     writer: RecordWriter
     worker_id: str
+    leases: LeaseBook
     precise: bool = True
 
     @classmethod
     def create(cls, settings: Settings, worker_id: str | None = None) -> Context:
         client = SGLangClient(settings.server_url, settings.api_key,
                               settings.connect_timeout_s, settings.read_timeout_s)
-        writer = RecordWriter(settings.output_dir)
-        return cls(settings, Ledger.from_settings(settings), client, writer,
-                   worker_id or writer.writer_id, settings.precise_admission)
+        owner = worker_id or owner_id(socket.gethostname(), os.getpid())
+        ledger = Ledger.from_settings(settings)
+        return cls(settings, ledger, client, RecordWriter(settings.output_dir, owner), owner,
+                   LeaseBook(ledger, owner), settings.precise_admission)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # stored | duplicate | closed | done | busy | requeue | dead | discarded
+    # stored | duplicate | closed | done | busy | waiting | requeue | dead | discarded | lost
+    status: str
     tokens: int = 0
     closed_now: bool = False
     detail: str = ""
+    woken: tuple[str, ...] = ()  # payloads of parked samples to enqueue again
 
 
 def sampling_params(settings: Settings, job: Job) -> dict[str, Any]:
@@ -64,16 +77,11 @@ def sampling_params(settings: Settings, job: Job) -> dict[str, Any]:
     return params
 
 
-def admit(ctx: Context, job: Job, rid: str, wait_s: float = ADMISSION_WAIT_S) -> Admission:
-    """Ask the ledger for room; wait briefly while the budget has none yet."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        adm = ctx.ledger.admit(job.dataset, job.sample, rid, ctx.worker_id, job.prompt_tokens,
-                               job.max_new_tokens, precise=ctx.precise,
-                               server=ctx.client.base_url)
-        if adm.status != "wait" or time.monotonic() >= deadline:
-            return adm
-        time.sleep(0.2)
+def admit(ctx: Context, job: Job, rid: str) -> Admission:
+    """Ask the ledger for room; a refused sample is parked by the ledger itself."""
+    return _until_ledger(lambda: ctx.ledger.admit(
+        job.dataset, job.sample, rid, ctx.worker_id, job.prompt_tokens, job.max_new_tokens,
+        precise=ctx.precise, server=ctx.client.base_url), f"admission of {job.sample}")
 
 
 def call(ctx: Context, job: Job, prompt: Prompt, rid: str) -> Generation:
@@ -93,22 +101,18 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) -
     })
 
 
-def commit(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) -> Outcome:
-    """Count the stored record; while Redis is away, keep trying (the record is safe on disk)."""
-    deadline = time.monotonic() + LEDGER_WAIT_S
-    while True:
-        try:
-            result = ctx.ledger.commit(job.dataset, job.sample, rid,
-                                       gen.prompt_tokens or len(prompt.prompt_ids),
-                                       gen.completion_tokens, gen.truncated, gen.latency_s)
-            break
-        except LedgerUnavailable as exc:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("commit of %s/%s waits for Redis: %s", job.dataset, job.sample, exc)
-            time.sleep(1.0)
-    if result.committed:
-        record_request(ctx.ledger.r, ctx.client.base_url, gen.latency_s, gen.completion_tokens)
+def commit(ctx: Context, job: Job, prompt: Prompt, lease: Lease, gen: Generation) -> Outcome:
+    """Count the stored record. While Redis is away, or has lost its state and is not yet
+    rebuilt, keep trying: the record is safe on disk, and counted once either way."""
+    def attempt() -> Commit:
+        result = lease.commit(gen.prompt_tokens or len(prompt.prompt_ids),
+                              gen.completion_tokens, gen.truncated, gen.latency_s,
+                              ctx.client.base_url)
+        if result.lost:
+            raise LedgerUnavailable("the ledger lost its state (no run marker); the commit "
+                                    "waits for it to be rebuilt from the records")
+        return result
+    result = _until_ledger(attempt, f"commit of {job.dataset}/{job.sample}")
     status = "stored" if result.committed else "duplicate"
     return Outcome(status, gen.completion_tokens, result.closed_now)
 
@@ -121,62 +125,76 @@ def run_job(ctx: Context, job: Job) -> Outcome:
     """
     settings = ctx.settings
     attempt = 0
+    woken: list[str] = []
     while True:
         if STOPPING.is_set():
-            return Outcome("requeue", detail="worker stopping")
-        rid = new_rid()
+            return Outcome("requeue", detail="worker stopping", woken=tuple(woken))
+        rid = new_rid(job.dataset)
         adm = admit(ctx, job, rid)
         if adm.status == "wait":
-            ctx.ledger.count(job.dataset, "refused")
-            return Outcome("requeue")
+            return Outcome("waiting", woken=tuple(woken))
         if adm.status != "ok":
-            return Outcome(adm.status)
+            return Outcome(adm.status, closed_now=adm.closed_now, woken=tuple(woken))
+        lease = ctx.leases.hold(job.dataset, job.sample, rid)
         try:
-            return _generate_admitted(ctx, job, rid)
+            with lease:
+                outcome = _generate_admitted(ctx, job, lease)
         except ServerUnavailable as exc:
-            ctx.ledger.release(job.dataset, job.sample, rid)
+            woken += lease.woken
             if attempt >= settings.max_retries:
-                return _dead(ctx, job, f"server unavailable after {attempt + 1} tries: {exc}")
+                return _dead(ctx, job, f"server unavailable after {attempt + 1} tries: {exc}",
+                             woken)
             log.warning("sample %s of %s: %s (try %d)", job.sample, job.dataset, exc, attempt + 1)
             if wait_for_server(ctx, job):
                 attempt += 1
                 time.sleep(backoff_s(attempt, settings.retry_backoff_s))
+            continue
         except (BadRequest, BadInput) as exc:
-            ctx.ledger.release(job.dataset, job.sample, rid)
-            return _dead(ctx, job, str(exc))
-        except BaseException:
-            ctx.ledger.release(job.dataset, job.sample, rid)
-            raise
+            return _dead(ctx, job, str(exc), woken + lease.woken)
+        return replace(outcome, woken=tuple(woken + lease.woken))
 
 
-def _generate_admitted(ctx: Context, job: Job, rid: str) -> Outcome:
+def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
     prompt = read_prompt(ctx.settings.output_dir, job)
-    gen = call(ctx, job, prompt, rid)
+    gen = call(ctx, job, prompt, lease.rid)
     if gen.aborted:
         # Aborted because the dataset closed (abort policy) or this worker is stopping:
-        # the partial output is discarded, never stored.
-        ctx.ledger.release(job.dataset, job.sample, rid)
+        # the partial output is discarded, never stored (the lease is released on exit).
         ctx.ledger.count(job.dataset, "discarded_tokens", gen.completion_tokens)
         if STOPPING.is_set() and not ctx.ledger.closed(job.dataset):
             return Outcome("requeue", detail="handed back on shutdown")
         return Outcome("discarded", gen.completion_tokens)
     if gen.truncated and not ctx.settings.keep_truncated:
-        ctx.ledger.release(job.dataset, job.sample, rid)
         return _dead(ctx, job, "truncated at max_new_tokens and keep_truncated is off")
     try:
-        persist(ctx, job, prompt, rid, gen)
+        persist(ctx, job, prompt, lease.rid, gen)
     except StorageError as exc:
-        ctx.ledger.release(job.dataset, job.sample, rid)
         log.error("sample %s of %s not stored: %s", job.sample, job.dataset, exc)
         raise
-    return commit(ctx, job, prompt, rid, gen)
+    return commit(ctx, job, prompt, lease, gen)
 
 
-def _dead(ctx: Context, job: Job, reason: str) -> Outcome:
+def _dead(ctx: Context, job: Job, reason: str, woken: list[str] | None = None) -> Outcome:
     log.error("sample %s of %s dead-lettered: %s", job.sample, job.dataset, reason)
     ctx.ledger.dead_letter(job.dataset, job.sample, reason)
     ctx.ledger.count(job.dataset, "dead")
-    return Outcome("dead", detail=reason)
+    return Outcome("dead", detail=reason, woken=tuple(woken or ()))
+
+
+def _until_ledger(step: Callable[[], T], what: str) -> T:
+    """Run a ledger step, waiting out Redis outages (up to LEDGER_WAIT_S)."""
+    deadline = time.monotonic() + LEDGER_WAIT_S
+    warned = False
+    while True:
+        try:
+            return step()
+        except LedgerUnavailable as exc:
+            if time.monotonic() > deadline:
+                raise
+            if not warned:
+                log.warning("%s waits for the ledger: %s", what, exc)
+                warned = True
+            time.sleep(LEDGER_POLL_S)
 
 
 def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:

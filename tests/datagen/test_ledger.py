@@ -16,6 +16,7 @@ from datagen.generation.ledger import Ledger, connect, length_model
 def ledger(redis_url: str) -> Ledger:
     led = Ledger(connect(redis_url), Settings(redis_url=redis_url, token_budget=1000))
     led.register(["A"])
+    led.mark_run()
     return led
 
 
@@ -32,7 +33,7 @@ def test_a_sample_delivered_twice_is_counted_once(ledger: Ledger) -> None:
 
 def test_admission_refuses_done_busy_and_closed_samples(ledger: Ledger) -> None:
     assert ledger.admit("A", "s1", "r1", "w", 5, 100).status == "ok"
-    assert ledger.admit("A", "s1", "r2", "w", 5, 100).status == "busy"
+    assert ledger.admit("A", "s1", "r2", "other-worker", 5, 100).status == "busy"
     ledger.commit("A", "s1", "r1", 5, 10, False, 1.0)
     assert ledger.admit("A", "s1", "r3", "w", 5, 100).status == "done"
     ledger.close("A", "operator")
@@ -49,6 +50,7 @@ def test_commit_that_reaches_the_budget_closes_the_dataset(ledger: Ledger) -> No
 def test_total_measure_counts_prompt_tokens(redis_url: str) -> None:
     led = Ledger(connect(redis_url), Settings(redis_url=redis_url, budget_counts="total"))
     led.register(["A"])
+    led.mark_run()
     led.admit("A", "s1", "r1", "w", 40, 100)
     led.commit("A", "s1", "r1", 40, 60, False, 1.0)
     assert led.snapshot("A")["tokens"] == 100
@@ -57,6 +59,7 @@ def test_total_measure_counts_prompt_tokens(redis_url: str) -> None:
 def test_max_samples_closes_the_dataset(redis_url: str) -> None:
     led = Ledger(connect(redis_url), Settings(redis_url=redis_url, max_samples=2))
     led.register(["A"])
+    led.mark_run()
     for i in range(2):
         led.admit("A", f"s{i}", f"r{i}", "w", 1, 10)
         last = led.commit("A", f"s{i}", f"r{i}", 1, 5, False, 1.0)
@@ -133,3 +136,127 @@ def test_tokens_per_second_over_the_last_minute(ledger: Ledger) -> None:
     rate = ledger.tokens_per_s("A")
     # 500 tokens committed after the first commit, over ~0.6 s
     assert rate is not None and 500 / 1.5 < rate < 500 / 0.35
+
+
+# -- ledger v2: buckets, leases, parking, the run marker -------------------------------
+
+
+def _ledger(redis_url: str, **settings: object) -> Ledger:
+    led = Ledger(connect(redis_url), Settings(redis_url=redis_url, **settings))
+    led.register(["A"])
+    led.mark_run()
+    return led
+
+
+def test_admission_reads_buckets_that_follow_admits_and_releases(ledger: Ledger) -> None:
+    # Given: 300 requests admitted under a budget large enough for all
+    ledger.set_budget("A", 10**9)
+    for i in range(300):
+        assert ledger.admit("A", f"s{i}", f"r{i}", "w", 7, 100).status == "ok"
+    buckets = ledger.r.hgetall(ledger.k("A", "buckets"))
+    # Then: a few buckets hold them all, with their prompt tokens
+    assert sum(int(v) for f, v in buckets.items() if f != "_prompt") == 300
+    assert int(buckets["_prompt"]) == 7 * 300
+    assert len(buckets) <= 4
+    # When: every one ends (half committed, half released), the buckets empty out
+    for i in range(300):
+        if i % 2:
+            ledger.commit("A", f"s{i}", f"r{i}", 7, 50, False, 1.0)
+        else:
+            ledger.release("A", f"s{i}", f"r{i}")
+    buckets = ledger.r.hgetall(ledger.k("A", "buckets"))
+    assert {f: int(v) for f, v in buckets.items()} in ({}, {"_prompt": 0})
+    assert ledger.in_flight("A") == {} and ledger.r.zcard(ledger.k("A", "leases")) == 0
+
+
+def test_entries_start_at_redis_time_not_the_hosts(ledger: Ledger) -> None:
+    sec, usec = ledger.r.time()
+    ledger.admit("A", "s1", "r1", "w", 5, 100)
+    start = ledger.in_flight("A")["s1"]["start"]
+    assert abs(start - (sec + usec / 1e6)) < 5
+
+
+def test_a_stale_lease_is_reclaimed_whoever_owns_it_and_a_live_one_is_not(
+        redis_url: str) -> None:
+    led = _ledger(redis_url, lease_s=0.3)
+    led.add_pending("A", {"s1": '{"sample": "s1"}', "s2": '{"sample": "s2"}'})
+    led.admit("A", "s1", "r1", "host-1-aaaaaa", 5, 100)
+    led.admit("A", "s2", "r2", "host-1-bbbbbb", 5, 100)
+    # When: only s2's owner renews, past the lease
+    time.sleep(0.2)
+    assert led.renew({"A": [("s2", "r2"), ("s1", "not-its-rid")]}) == 1
+    time.sleep(0.2)
+    reclaimed = led.reap("A")
+    # Then: s1 is reclaimed with its payload; s2 stays
+    assert [(r.sample, r.payload, r.worker) for r in reclaimed] == [
+        ("s1", '{"sample": "s1"}', "host-1-aaaaaa")]
+    assert set(led.in_flight("A")) == {"s2"}
+    assert led.snapshot("A")["stats"]["reaped"] == 1
+    assert led.reap("A") == []  # exactly one reaper gets each entry
+
+
+def test_a_stale_entry_does_not_block_a_new_admission(redis_url: str) -> None:
+    led = _ledger(redis_url, lease_s=0.2)
+    led.admit("A", "s1", "r1", "dead-owner", 5, 100)
+    assert led.admit("A", "s1", "r2", "new-owner", 5, 100).status == "busy"
+    time.sleep(0.3)
+    assert led.admit("A", "s1", "r2", "new-owner", 5, 100).status == "ok"
+    assert led.in_flight("A")["s1"]["rid"] == "r2"
+    assert sum(int(v) for f, v in led.r.hgetall(led.k("A", "buckets")).items()
+               if f != "_prompt") == 1
+
+
+def test_an_owner_takes_over_its_own_earlier_try(ledger: Ledger) -> None:
+    # A release lost in a Redis blip must not make the owner's retry wait for the lease.
+    ledger.admit("A", "s1", "r1", "w", 5, 100)
+    assert ledger.admit("A", "s1", "r2", "w", 5, 100).status == "ok"
+    assert ledger.in_flight("A")["s1"]["rid"] == "r2"
+
+
+def test_a_refused_sample_is_parked_and_woken_by_a_commit(ledger: Ledger) -> None:
+    # Given: two requests at their cap fill the budget of 1,000
+    ledger.add_pending("A", {f"s{i}": f'{{"n": {i}}}' for i in range(4)})
+    assert ledger.admit("A", "s0", "r0", "w", 5, 400).status == "ok"
+    assert ledger.admit("A", "s1", "r1", "w", 5, 400).status == "ok"
+    # When: two more are refused, they are parked, and shown as waiting
+    assert ledger.admit("A", "s2", "r2", "w", 5, 400).status == "wait"
+    assert ledger.admit("A", "s3", "r3", "w", 5, 400).status == "wait"
+    assert ledger.parked("A") == {"s2", "s3"}
+    assert ledger.snapshot("A")["waiting"] == 2
+    # Then: a commit frees a slot and wakes them, oldest first, for the worker to enqueue
+    result = ledger.commit("A", "s0", "r0", 5, 100, False, 1.0)
+    assert result.woken == ['{"n": 2}', '{"n": 3}']
+    assert ledger.parked("A") == set()
+
+
+def test_a_close_drops_parked_samples_and_admission_that_finds_the_budget_full_closes(
+        ledger: Ledger) -> None:
+    ledger.add_pending("A", {"s9": "{}"})
+    ledger.admit("A", "s0", "r0", "w", 5, 2000)
+    ledger.admit("A", "s1", "r1", "w", 5, 2000)
+    assert ledger.admit("A", "s9", "r9", "w", 5, 2000).status == "wait"
+    ledger.set_budget("A", 0)  # lowered by hand, below what is committed
+    adm = ledger.admit("A", "s9", "r9", "w", 5, 2000)
+    # The admission that finds the budget full closes it and says so, once
+    assert adm.status == "closed" and adm.closed_now
+    assert ledger.closed("A") == "budget" and ledger.parked("A") == set()
+    assert not ledger.admit("A", "s8", "r8", "w", 5, 10).closed_now
+
+
+def test_without_the_run_marker_nothing_is_admitted_or_counted(ledger: Ledger) -> None:
+    ledger.admit("A", "s1", "r1", "w", 5, 100)
+    ledger.unmark_run()
+    assert ledger.admit("A", "s2", "r2", "w", 5, 100).status == "lost"
+    result = ledger.commit("A", "s1", "r1", 5, 50, False, 1.0)
+    assert result.lost and not result.committed
+    assert ledger.snapshot("A")["tokens"] == 0 and ledger.committed("A") == {}
+    assert ledger.mark_run() and not ledger.mark_run()
+    assert ledger.commit("A", "s1", "r1", 5, 50, False, 1.0).committed
+
+
+def test_a_commit_clears_the_samples_dead_letter(ledger: Ledger) -> None:
+    ledger.dead_letter("A", "s1", "server unavailable after 3 tries")
+    assert ledger.snapshot("A")["dead"] == 1
+    ledger.admit("A", "s1", "r1", "w", 5, 100)
+    ledger.commit("A", "s1", "r1", 5, 50, False, 1.0)
+    assert ledger.dead("A") == {} and ledger.snapshot("A")["dead"] == 0

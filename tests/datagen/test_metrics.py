@@ -25,6 +25,7 @@ def ledger(redis_url: str) -> Ledger:
     settings = Settings(redis_url=redis_url, token_budget=1000, budgets={"B": 500})
     led = Ledger(connect(redis_url), settings)
     led.register(["A", "B"])
+    led.mark_run()
     led.add_pending("A", {"a1": "{}", "a2": "{}", "a3": "{}"})
     assert led.admit("A", "a1", "r1", "w", 10, 100, precise=False, server=GPU1).status == "ok"
     led.commit("A", "a1", "r1", 10, 300, True, 2.0)

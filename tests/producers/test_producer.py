@@ -13,6 +13,7 @@ from conftest import write_jsonl
 
 from cli.stack import REPO
 from config.settings import Settings
+from datagen.keys import queue_lists
 from producers.producer import Plan, classify
 
 
@@ -81,7 +82,8 @@ def test_a_second_producer_run_enqueues_only_what_is_not_queued_or_done(
     first = _produce(tmp_path, redis_url, tokenizer_dir)
     assert first.returncode == 0, first.stderr
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    assert client.llen("short") == 5
+    # Fresh work waits at the lowest priority: work that comes back goes ahead of it
+    assert client.llen(queue_lists("short")[-1]) == _queued(client) == 5
     # One sample is done meanwhile; two more prompts are added to the dataset.
     client.hset("dg:ds:B1:done", "s0", "rid 10")
     with open(tmp_path / "partition" / "B1.jsonl", "a") as fh:
@@ -89,7 +91,7 @@ def test_a_second_producer_run_enqueues_only_what_is_not_queued_or_done(
             fh.write(json.dumps({"id": f"s{i}", "prompt": f"question {i}"}) + "\n")
     second = _produce(tmp_path, redis_url, tokenizer_dir)
     assert second.returncode == 0, second.stderr
-    assert client.llen("short") == 7
+    assert _queued(client) == 7
     assert "B1" in second.stdout and " 2 " in second.stdout.splitlines()[1]
 
 
@@ -99,3 +101,7 @@ def test_unknown_dataset_name_is_a_clear_error(tmp_path: Path, redis_url: str,
     result = _produce(tmp_path, redis_url, tokenizer_dir, "--partition", "B9")
     assert result.returncode != 0
     assert "B9" in result.stderr and "B1" in result.stderr
+
+
+def _queued(client: redis.Redis) -> int:
+    return sum(client.llen(name) for name in queue_lists("short"))

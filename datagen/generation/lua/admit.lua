@@ -1,100 +1,125 @@
--- Admit one request of a dataset, or say why not.
--- The rule (REFERENCE §6): admit while
+-- Admit one request of a dataset, or say why not; a refused sample is parked.
+-- The rule: admit while
 --   committed + sum over in-flight of E[final size | size so far] + E[size of this one]
 --   + margin_sd * sd(of that sum) <= budget,
 -- and also whenever nothing is in flight and committed < budget, so a dataset never
 -- stops short of its budget while prompts remain (it may end above by about one response).
--- KEYS[1] closed flag  KEYS[2] done hash  KEYS[3] inflight hash  KEYS[4] stats hash
--- KEYS[5] budgets hash KEYS[6] model string (JSON, see ledger.py)
--- ARGV[1] dataset  ARGV[2] sample id  ARGV[3] in-flight entry (JSON, has rid)
--- ARGV[4] now (s)  ARGV[5] default budget  ARGV[6] prompt tokens of this request
--- ARGV[7] measure ("completion" | "total")  ARGV[8] precise admission (1) or naive (0)
--- ARGV[9] prior tokens per second of one request (until the model has a measured rate)
--- ARGV[10] margin in standard deviations of the in-flight total (admission_margin_sd)
--- Returns {status, committed, expected in flight}: status is
---   "ok" | "closed" | "done" | "busy" (in flight elsewhere) | "wait" (no room yet)
+-- In-flight requests are read as buckets of (start time, cap) with their counts, so the
+-- cost grows with the buckets (a few dozen per cap), not with the requests in flight.
+-- Time is Redis's (TIME), the same for every host.
+-- KEYS[1] run marker  KEYS[2] closed flag  KEYS[3] done hash  KEYS[4] flight hash
+-- KEYS[5] stats hash  KEYS[6] budgets hash  KEYS[7] model string (JSON, see admission.py)
+-- KEYS[8] buckets hash  KEYS[9] leases zset  KEYS[10] parked zset
+-- ARGV[1] dataset  ARGV[2] sample  ARGV[3] rid  ARGV[4] worker (owner id)  ARGV[5] server
+-- ARGV[6] prompt tokens  ARGV[7] max_new_tokens  ARGV[8] measure ("completion" | "total")
+-- ARGV[9] precise admission (1) or naive (0)  ARGV[10] prior tokens per second of a request
+-- ARGV[11] margin in standard deviations (admission_margin_sd)  ARGV[12] default budget
+-- ARGV[13] lease seconds  ARGV[14] prior mean response length
+-- Returns {status, committed, expected in flight, closed now 0/1}; status is
+--   "ok" | "closed" | "done" | "busy" (held elsewhere under a live lease) |
+--   "wait" (no room yet: parked until a commit or release wakes it) |
+--   "lost" (no run marker: the ledger lost its state and must be rebuilt first)
 local sample = ARGV[2]
-if redis.call('EXISTS', KEYS[1]) == 1 then return {'closed', 0, 0} end
-if redis.call('HEXISTS', KEYS[2], sample) == 1 then return {'done', 0, 0} end
-if redis.call('HEXISTS', KEYS[3], sample) == 1 then return {'busy', 0, 0} end
-
-local committed = tonumber(redis.call('HGET', KEYS[4], 'tokens') or '0')
-local budget = tonumber(redis.call('HGET', KEYS[5], ARGV[1]) or ARGV[5])
-if committed >= budget then
-  redis.call('SET', KEYS[1], 'budget')
-  return {'closed', committed, 0}
+local now = redis_now()
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'lost', 0, 0, 0} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'closed', 0, 0, 0} end
+if redis.call('HEXISTS', KEYS[3], sample) == 1 then return {'done', 0, 0, 0} end
+local held = redis.call('HGET', KEYS[4], sample)
+if held then
+  local lease = tonumber(redis.call('ZSCORE', KEYS[9], sample) or '0')
+  if lease >= now and cjson.decode(held)['worker'] ~= ARGV[4] then
+    return {'busy', 0, 0, 0}
+  end
+  -- Its owner stopped renewing (dead, restarted, or its release was lost), or it is this
+  -- owner's own earlier try whose release has not reached Redis yet: take it over.
+  drop_entry(KEYS[4], KEYS[8], KEYS[9], sample, held)
 end
 
-local now = tonumber(ARGV[4])
-local total = ARGV[7] == 'total'
-local prior = tonumber(ARGV[9])
-local raw_model = redis.call('GET', KEYS[6])
+local committed = tonumber(redis.call('HGET', KEYS[5], 'tokens') or '0')
+local budget = tonumber(redis.call('HGET', KEYS[6], ARGV[1]) or ARGV[12])
+if committed >= budget then
+  local closed_now = 0
+  if redis.call('SET', KEYS[2], 'budget', 'NX') then closed_now = 1 end
+  redis.call('DEL', KEYS[10])
+  return {'closed', committed, 0, closed_now}
+end
+
+local total = ARGV[8] == 'total'
+local prior = tonumber(ARGV[10])
+local cap_here = tonumber(ARGV[7])
+local raw_model = redis.call('GET', KEYS[7])
 local model = nil
 if raw_model then model = cjson.decode(raw_model) end
 
--- E[L | L > p] from the model's table of thresholds and conditional means; until the
--- model exists, the request's cap (max_new_tokens): slow to start, never an overshoot.
-local function expected_final(p, cap)
-  if not model then return cap end
-  local t, m = model['t'], model['m']
+local function locate(t, p)
   local lo, hi = 1, #t
-  if p < t[1] then return math.max(m[1], p) end
-  if p >= t[hi] then return p + model['tail'] end
   while hi - lo > 1 do
     local mid = math.floor((lo + hi) / 2)
     if t[mid] <= p then lo = mid else hi = mid end
   end
+  return lo, hi
+end
+
+-- E[L | L > p] and Var[L | L > p] from the model's table; until the model exists, the
+-- request's cap and no variance: slow to start, never an overshoot.
+local function expected_final(p, cap)
+  if not model then return cap, 0 end
+  local t, m, v = model['t'], model['m'], model['v']
+  if p < t[1] then return math.max(m[1], p), v[1] end
+  if p >= t[#t] then return p + model['tail'], v[#t] end
+  local lo, hi = locate(t, p)
   -- E[L | L > t] grows with t: interpolate rather than take the lower threshold's value.
   local w = (p - t[lo]) / math.max(1, t[hi] - t[lo])
-  return math.max(m[lo] + w * (m[hi] - m[lo]), p)
+  return math.max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
 end
 
--- Var[L | L > p], same table; zero without a model (the cap is already the worst case).
-local function variance(p)
-  if not model or not model['v'] then return 0 end
-  local t, v = model['t'], model['v']
-  local lo, hi = 1, #t
-  if p >= t[hi] then return v[hi] end
-  while hi - lo > 1 do
-    local mid = math.floor((lo + hi) / 2)
-    if t[mid] <= p then lo = mid else hi = mid end
-  end
-  return v[lo]
-end
+local rate, mean = prior, tonumber(ARGV[14])
+if model then rate, mean = model['rate'], model['mean'] end
 
-local rate = prior
-if model then rate = model['rate'] end
-local mean = prior
-if model then mean = model['mean'] end
-
-local expected = 0
-local var = 0
-local entries = redis.call('HVALS', KEYS[3])
-if ARGV[8] == '1' then
-  for _, raw in ipairs(entries) do
-    local e = cjson.decode(raw)
-    local p = math.max(0, now - e['start']) * rate
-    if e['max_new_tokens'] then p = math.min(p, e['max_new_tokens']) end
-    local cap = e['max_new_tokens'] or prior
-    local final = math.min(expected_final(p, cap), cap)
-    var = var + variance(p)
-    if total then final = final + (e['prompt_tokens'] or 0) end
-    expected = expected + final
+local expected, var, count = 0, 0, 0
+local flat = redis.call('HGETALL', KEYS[8])
+for i = 1, #flat, 2 do
+  local field = flat[i]
+  if field ~= '_prompt' then
+    local n = tonumber(flat[i + 1])
+    local colon = string.find(field, ':', 1, true)
+    local start = tonumber(string.sub(field, 1, colon - 1))
+    local cap = tonumber(string.sub(field, colon + 1))
+    count = count + n
+    if ARGV[9] == '1' and n > 0 then
+      -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
+      local p = math.min(math.max(0, now - start) * rate, cap)
+      local final, v = expected_final(p, cap)
+      expected = expected + n * math.min(final, cap)
+      var = var + n * v
+    end
+  elseif total then
+    expected = expected + tonumber(flat[i + 1])
   end
 end
 local this_one = mean
-if not model then this_one = cjson.decode(ARGV[3])['max_new_tokens'] or prior end
+if not model then this_one = cap_here end
 if model and model['var'] then var = var + model['var'] end
-local margin = (tonumber(ARGV[10]) or 0) * math.sqrt(var)
+local margin = (tonumber(ARGV[11]) or 0) * math.sqrt(var)
 if total then this_one = this_one + tonumber(ARGV[6]) end
 
-if ARGV[8] == '1' and #entries > 0 and committed + expected + this_one + margin > budget then
-  return {'wait', committed, math.floor(expected)}
+if ARGV[9] == '1' and count > 0 and committed + expected + this_one + margin > budget then
+  redis.call('ZADD', KEYS[10], 'NX', now, sample)
+  return {'wait', committed, math.floor(expected), 0}
 end
-redis.call('HSET', KEYS[3], sample, ARGV[3])
+
+-- Buckets a few dozen wide per cap: width = the cap's expected duration / 32, 1-60 s.
+local width = math.max(1, math.min(60, math.floor(cap_here / math.max(rate, 1e-3) / 32)))
+local bucket = (math.floor(now / width) * width) .. ':' .. cap_here
+redis.call('HSET', KEYS[4], sample, cjson.encode({
+  rid = ARGV[3], worker = ARGV[4], server = ARGV[5], start = now,
+  max_new_tokens = cap_here, prompt_tokens = tonumber(ARGV[6]), b = bucket}))
+redis.call('HINCRBY', KEYS[8], bucket, 1)
+redis.call('HINCRBY', KEYS[8], '_prompt', tonumber(ARGV[6]))
+redis.call('ZADD', KEYS[9], now + tonumber(ARGV[13]), sample)
+redis.call('ZREM', KEYS[10], sample)
 -- The largest max_new_tokens seen bounds the length model's tail.
-local this_cap = cjson.decode(ARGV[3])['max_new_tokens'] or 0
-if this_cap > tonumber(redis.call('HGET', KEYS[4], 'cap') or '0') then
-  redis.call('HSET', KEYS[4], 'cap', this_cap)
+if cap_here > tonumber(redis.call('HGET', KEYS[5], 'cap') or '0') then
+  redis.call('HSET', KEYS[5], 'cap', cap_here)
 end
-return {'ok', committed, math.floor(expected)}
+return {'ok', committed, math.floor(expected), 0}

@@ -1,0 +1,105 @@
+"""The length model the budget guard admits requests by (read by ``lua/admit.lua``).
+
+A dataset's response lengths are learnt from its own completed responses, with the
+requests still in flight as censored observations (they are known to be longer than
+their progress so far), by Kaplan–Meier. Admission then needs, for an in-flight request
+at progress p, E[L | L > p] and Var[L | L > p]: the model is that table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRIOR_MEAN_TOKENS = 2048
+PRIOR_TOKENS_PER_S = 50.0
+MODEL_MIN_SAMPLES = 16
+PSEUDO_CENSORED = 2
+MODEL_POINTS = 96
+TAIL_POINTS = 32
+
+
+def length_model(lengths: list[int], decoded: float, decode_s: float,
+                 censored: list[float] | None = None, cap: int | None = None
+                 ) -> dict[str, Any] | None:
+    """Table of E[L | L > t] for admission, learnt from the dataset's own responses.
+
+    Completed lengths alone are biased short (short responses finish first), so
+    requests still in flight count as censored observations (L > progress so far)
+    in a Kaplan–Meier estimate of the survival curve S. Then
+    E[L | L > t] = t + (integral of S from t to the cap) / S(t). Mass that KM
+    leaves beyond the longest observation is put at the cap (max_new_tokens):
+    conservative, and it shrinks as requests complete.
+    ``t``/``m``/``v`` are the table (threshold, conditional mean, conditional variance),
+    ``tail`` the mean excess past the last threshold, ``mean``/``var`` of L, ``rate``
+    tokens per second of one request (turns elapsed time into progress).
+    """
+    if len(lengths) < MODEL_MIN_SAMPLES:
+        return None
+    # Two pseudo-observations censored at the longest length seen: a few dozen samples
+    # cannot rule out longer responses, so part of the mass stays up to the cap. Their
+    # weight fades as samples accumulate (2 in 4,096 at most).
+    longest = max(lengths)
+    censored = list(censored or []) + [float(longest)] * PSEUDO_CENSORED
+    points, survival = _kaplan_meier(lengths, censored)
+    top = max(longest, max(censored))
+    cap = max(cap or top, top)
+    # Area under S and under 2u·S(u) to the right of each point (first and second
+    # moments), with the leftover mass at the cap.
+    areas, areas2 = [0.0] * len(points), [0.0] * len(points)
+    area = survival[-1] * (cap - points[-1])
+    area2 = survival[-1] * (cap * cap - points[-1] ** 2)
+    for i in range(len(points) - 1, -1, -1):
+        areas[i], areas2[i] = area, area2
+        if i:
+            area += survival[i - 1] * (points[i] - points[i - 1])
+            area2 += survival[i - 1] * (points[i] ** 2 - points[i - 1] ** 2)
+    mean = area + points[0]  # S = 1 on [0, first point)
+    second = area2 + points[0] ** 2
+    step = max(1, len(points) // MODEL_POINTS)
+    # Quantile-spaced points, plus every one of the last TAIL_POINTS: the long requests
+    # still in flight at the end of a dataset are the ones whose estimate decides the stop.
+    picked = sorted(set(range(0, len(points), step)) |
+                    set(range(max(0, len(points) - TAIL_POINTS), len(points))))
+    thresholds, means, variances = [0], [mean], [max(0.0, second - mean * mean)]
+    for i in picked:
+        if survival[i] <= 1e-9:
+            break
+        m1 = points[i] + areas[i] / survival[i]
+        m2 = points[i] ** 2 + areas2[i] / survival[i]
+        thresholds.append(int(points[i]))
+        means.append(m1)
+        variances.append(max(0.0, m2 - m1 * m1))
+    if cap > thresholds[-1]:
+        # Past the last point a request can only end between where it is and the cap.
+        thresholds.append(int(cap))
+        means.append(float(cap))
+        variances.append(0.0)
+    tail = means[-1] - thresholds[-1]
+    rate = decoded / decode_s if decode_s > 0 else PRIOR_TOKENS_PER_S
+    return {"t": thresholds, "m": means, "v": variances, "tail": max(1.0, tail),
+            "mean": mean, "var": variances[0], "rate": rate, "n": len(lengths),
+            "censored": len(censored) - PSEUDO_CENSORED}
+
+
+def _kaplan_meier(events: list[int], censored: list[float]
+                  ) -> tuple[list[float], list[float]]:
+    """Distinct observation points and the survival S(t) just after each."""
+    obs = sorted([(float(x), 1) for x in events] + [(float(x), 0) for x in censored])
+    at_risk = len(obs)
+    points: list[float] = []
+    survival: list[float] = []
+    s = 1.0
+    i = 0
+    while i < len(obs):
+        t = obs[i][0]
+        deaths = removed = 0
+        while i < len(obs) and obs[i][0] == t:
+            deaths += obs[i][1]
+            removed += 1
+            i += 1
+        if deaths:
+            s *= 1.0 - deaths / at_risk
+        at_risk -= removed
+        points.append(t)
+        survival.append(s)
+    return points, survival

@@ -1,0 +1,119 @@
+"""One admitted request's hold on the ledger, and the process's book of them.
+
+An admitted request holds a lease on its sample's in-flight entry. The worker's
+heartbeat renews every lease in the book; a lease nobody renews goes stale and any
+reaper reclaims it, whoever owned it. A request that ends without a commit is
+released in one place, ``Lease.__exit__``: when Redis cannot be reached then, the
+release is retried by the heartbeat (and, failing that, the lease simply goes stale).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from types import TracebackType
+
+from datagen.errors import LedgerUnavailable
+from datagen.generation.ledger import Commit, Ledger
+
+log = logging.getLogger(__name__)
+
+
+class LeaseBook:
+    """The leases this process holds, by dataset, and releases still to be done."""
+
+    def __init__(self, ledger: Ledger, owner: str):
+        self.ledger = ledger
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], str] = {}
+        self._unreleased: list[tuple[str, str, str]] = []
+
+    def hold(self, dataset: str, sample: str, rid: str) -> Lease:
+        with self._lock:
+            self._held[(dataset, sample)] = rid
+        return Lease(self, dataset, sample, rid)
+
+    def forget(self, lease: Lease) -> None:
+        with self._lock:
+            if self._held.get((lease.dataset, lease.sample)) == lease.rid:
+                del self._held[(lease.dataset, lease.sample)]
+
+    def release_later(self, lease: Lease) -> None:
+        with self._lock:
+            self._unreleased.append((lease.dataset, lease.sample, lease.rid))
+
+    def held(self) -> dict[str, list[tuple[str, str]]]:
+        out: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        with self._lock:
+            for (dataset, sample), rid in self._held.items():
+                out[dataset].append((sample, rid))
+        return dict(out)
+
+    def rids(self) -> list[str]:
+        with self._lock:
+            return list(self._held.values())
+
+    def renew(self) -> list[str]:
+        """Renew every held lease and retry lost releases; returns payloads they woke."""
+        held = self.held()
+        if held:
+            self.ledger.renew(held)
+        with self._lock:
+            todo, self._unreleased = self._unreleased, []
+        woken: list[str] = []
+        for i, (dataset, sample, rid) in enumerate(todo):
+            try:
+                woken += self.ledger.release(dataset, sample, rid)
+            except LedgerUnavailable:
+                with self._lock:
+                    self._unreleased.extend(todo[i:])
+                raise
+        return woken
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class Lease:
+    """Use as a context manager: leaving it without a commit releases the entry."""
+
+    def __init__(self, book: LeaseBook, dataset: str, sample: str, rid: str):
+        self.book = book
+        self.dataset = dataset
+        self.sample = sample
+        self.rid = rid
+        self.woken: list[str] = []  # payloads of parked samples woken by the end of this one
+        self._ended = False
+
+    def commit(self, prompt_tokens: int, completion_tokens: int, truncated: bool,
+               latency_s: float, server: str = "") -> Commit:
+        result = self.book.ledger.commit(self.dataset, self.sample, self.rid, prompt_tokens,
+                                         completion_tokens, truncated, latency_s, server)
+        if not result.lost:
+            self._end()
+            self.woken += result.woken
+        return result
+
+    def release(self) -> None:
+        if self._ended:
+            return
+        self._end()
+        try:
+            self.woken += self.book.ledger.release(self.dataset, self.sample, self.rid)
+        except LedgerUnavailable as exc:
+            log.warning("release of %s/%s deferred: %s", self.dataset, self.sample, exc)
+            self.book.release_later(self)
+
+    def _end(self) -> None:
+        self._ended = True
+        self.book.forget(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()

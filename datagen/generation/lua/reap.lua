@@ -1,0 +1,27 @@
+-- Reclaim in-flight entries whose lease is stale, whoever owns them: the owner died,
+-- was restarted (a new owner id), or lost a release in a Redis blip. Atomic, so exactly
+-- one reaper re-enqueues each sample.
+-- KEYS[1] flight  KEYS[2] buckets  KEYS[3] leases  KEYS[4] pending  KEYS[5] stats
+-- KEYS[6] closed flag
+-- ARGV[1] most entries to reclaim in this call
+-- Returns {sample, payload or "", worker, ...} for every entry reclaimed.
+local now = redis_now()
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+local closed = redis.call('EXISTS', KEYS[6]) == 1
+local out = {}
+for _, sample in ipairs(stale) do
+  local raw = redis.call('HGET', KEYS[1], sample)
+  if raw then
+    local worker = cjson.decode(raw)['worker'] or ''
+    drop_entry(KEYS[1], KEYS[2], KEYS[3], sample, raw)
+    redis.call('HINCRBY', KEYS[5], 'reaped', 1)
+    local payload = ''
+    if not closed then payload = redis.call('HGET', KEYS[4], sample) or '' end
+    out[#out + 1] = sample
+    out[#out + 1] = payload
+    out[#out + 1] = worker
+  else
+    redis.call('ZREM', KEYS[3], sample)
+  end
+end
+return out
