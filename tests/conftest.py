@@ -135,6 +135,24 @@ def stack(tmp_path: Path, redis_url: str, tokenizer_dir: Path, encoder: Any) -> 
         s.stop()
 
 
+@pytest.fixture
+def durable_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis of the test's own that keeps its data across a stop and start (AOF)."""
+    with RedisServer(workdir=tmp_path / "durable-redis", appendonly=True) as server:
+        yield server
+
+
+@pytest.fixture
+def durable_stack(tmp_path: Path, durable_redis: RedisServer, tokenizer_dir: Path,
+                  encoder: Any) -> Iterator[Stack]:
+    """A stack on ``durable_redis``: for outages that Redis comes back from with its data."""
+    s = Stack(tmp_path, durable_redis.url, tokenizer_dir, encoder)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 def wait_until(predicate: Any, timeout_s: float = 60.0, interval_s: float = 0.1,
                what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s

@@ -112,6 +112,3 @@ def _follow_up(ctx: Context, job: Job, outcome: Outcome) -> None:
         requeue(Job.from_payload(json.loads(payload)))
     if outcome.status == "requeue":
         requeue(job)
-    if outcome.status == "lost":
-        log.warning("%s/%s dropped: the ledger lost its state; the producer re-enqueues it "
-                    "after the rebuild", job.dataset, job.sample)

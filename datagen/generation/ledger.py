@@ -254,11 +254,13 @@ class Ledger:
         return set(self.r.hkeys(self.k(dataset, keys.DONE)))
 
     def dead_letter(self, dataset: str, sample: str, reason: str) -> None:
+        """Give up on a sample (a later commit of it clears the entry), in one round trip."""
         entry = json.dumps({"reason": reason, "time": time.time()})
         with self.r.pipeline() as pipe:
             pipe.hset(self.k(dataset, keys.DEAD), sample, entry)
             pipe.hdel(self.k(dataset, keys.PENDING), sample)
-            pipe.execute()
+            pipe.hincrby(self.k(dataset, keys.STATS), "dead", 1)
+            self._call(pipe.execute)
 
     def dead(self, dataset: str) -> dict[str, str]:
         return {s: json.loads(v)["reason"]
@@ -306,7 +308,7 @@ class Ledger:
         self.r.hset(keys.BUDGETS, dataset, budget)
 
     def count(self, dataset: str, field: str, by: int = 1) -> None:
-        self.r.hincrby(self.k(dataset, keys.STATS), field, by)
+        self._call(self.r.hincrby, self.k(dataset, keys.STATS), field, by)
 
     def tokens_per_s(self, dataset: str, window_s: float = 60.0) -> float | None:
         """Committed tokens per second over the last ``window_s`` (None: no commits in it)."""

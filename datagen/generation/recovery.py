@@ -94,6 +94,8 @@ def _store(ledger: Ledger, dataset: str, done: dict[str, str], stats: dict[str, 
             pipe.delete(k(dataset, part))
         if done:
             pipe.hset(k(dataset, keys.DONE), mapping=done)
+            pipe.hdel(k(dataset, keys.PENDING), *done)
+            pipe.zrem(k(dataset, keys.PARKED), *done)
         pipe.hset(k(dataset, keys.STATS), mapping=stats)
         if lengths:
             pipe.lpush(k(dataset, keys.LENGTHS), *lengths[-keys.LENGTHS_KEPT:])

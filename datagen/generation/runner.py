@@ -63,7 +63,7 @@ class Context:
 
 @dataclass(frozen=True)
 class Outcome:
-    # stored | duplicate | closed | done | busy | waiting | requeue | dead | discarded | lost
+    # stored | duplicate | closed | done | busy | waiting | requeue | dead | discarded
     status: str
     tokens: int = 0
     closed_now: bool = False
@@ -78,10 +78,17 @@ def sampling_params(settings: Settings, job: Job) -> dict[str, Any]:
 
 
 def admit(ctx: Context, job: Job, rid: str) -> Admission:
-    """Ask the ledger for room; a refused sample is parked by the ledger itself."""
-    return _until_ledger(lambda: ctx.ledger.admit(
-        job.dataset, job.sample, rid, ctx.worker_id, job.prompt_tokens, job.max_new_tokens,
-        precise=ctx.precise, server=ctx.client.base_url), f"admission of {job.sample}")
+    """Ask the ledger for room; a refused sample is parked by the ledger itself. While the
+    ledger is away or being rebuilt (no run marker), wait for it."""
+    def attempt() -> Admission:
+        adm = ctx.ledger.admit(job.dataset, job.sample, rid, ctx.worker_id, job.prompt_tokens,
+                               job.max_new_tokens, precise=ctx.precise,
+                               server=ctx.client.base_url)
+        if adm.status == "lost":
+            raise LedgerUnavailable("the ledger lost its state (no run marker); admission "
+                                    "waits for it to be rebuilt from the records")
+        return adm
+    return _until_ledger(attempt, f"admission of {job.dataset}/{job.sample}")
 
 
 def call(ctx: Context, job: Job, prompt: Prompt, rid: str) -> Generation:
@@ -176,8 +183,8 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
 
 def _dead(ctx: Context, job: Job, reason: str, woken: list[str] | None = None) -> Outcome:
     log.error("sample %s of %s dead-lettered: %s", job.sample, job.dataset, reason)
-    ctx.ledger.dead_letter(job.dataset, job.sample, reason)
-    ctx.ledger.count(job.dataset, "dead")
+    _until_ledger(lambda: ctx.ledger.dead_letter(job.dataset, job.sample, reason),
+                  f"dead letter of {job.sample}")
     return Outcome("dead", detail=reason, woken=tuple(woken or ()))
 
 
@@ -204,7 +211,14 @@ def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:
     log.warning("server %s unhealthy: waiting for it", ctx.client)
     deadline = time.monotonic() + max_wait_s
     while time.monotonic() < deadline and not STOPPING.is_set():
-        if ctx.ledger.closed(job.dataset) or ctx.client.healthy():
+        if _closed(ctx, job) or ctx.client.healthy():
             break
         time.sleep(HEALTH_POLL_S)
     return False
+
+
+def _closed(ctx: Context, job: Job) -> bool:
+    try:
+        return bool(ctx.ledger.closed(job.dataset))
+    except Exception:  # Redis away too: keep waiting for the server; admission decides later
+        return False

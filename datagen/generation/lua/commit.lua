@@ -28,7 +28,10 @@ local function woken(head)
 end
 
 if redis.call('HEXISTS', KEYS[2], sample) == 1 then
+  -- Counted already (an earlier delivery, or a rebuild that found this record on disk).
   redis.call('HINCRBY', KEYS[3], 'duplicates', 1)
+  redis.call('HDEL', KEYS[5], sample)
+  redis.call('ZREM', KEYS[13], sample)
   return woken({'duplicate', tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0'), 0, 0})
 end
 
