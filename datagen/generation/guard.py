@@ -34,7 +34,9 @@ def enqueue(app: Celery, job: Job, producer: Any = None) -> None:
 
 def on_closed(app: Celery, ledger: Ledger, dataset: str, reason: str,
               abort_in_flight: bool = False) -> None:
-    """Everything that follows a close: revoke queued tasks, optionally abort in flight."""
+    """Everything that follows a close: revoke queued tasks, drop their pending payloads
+    (nothing redoes them: the sweep skips a closed dataset, a reopen enqueues anew),
+    optionally abort in flight."""
     epoch = ledger.epoch(dataset)
     ledger.event(dataset, f"closed:{reason}")
     log.info("%s closed (%s): revoking its queued tasks", dataset, reason)
@@ -42,6 +44,7 @@ def on_closed(app: Celery, ledger: Ledger, dataset: str, reason: str,
         app.control.revoke_by_stamped_headers({STAMP_HEADER: f"{dataset}#{epoch}"})
     except Exception as exc:  # the flag still holds; the revoke only saves time
         log.warning("stamped revoke for %s failed: %s", dataset, exc)
+    ledger.drop_pending(dataset)
     if abort_in_flight:
         abort_in_flight_requests(ledger, dataset)
 
