@@ -38,7 +38,7 @@ class Entry:
     path: str  # one str object shared by all entries of a file
     offset: int
     size: int
-    # The line is exactly what json.dumps(record, compact) gives: it is copied as is.
+    # Known to be exactly ``encode(record)``: copied as is (False: re-encoded, same bytes).
     verbatim: bool
     prompt_tokens: Any
     completion_tokens: Any
@@ -64,28 +64,34 @@ def encode(record: Mapping[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
-def entry(record: Mapping[str, Any], path: str, offset: int, raw: bytes) -> Entry:
+def entry(record: Mapping[str, Any], path: str, offset: int, raw: bytes,
+          check_verbatim: bool) -> Entry:
     # surrogatepass: a lone surrogate then differs from its \u escape (not verbatim)
     # instead of failing here; it is re-encoded, as the merge always did.
-    verbatim = encode(record).encode("utf-8", "surrogatepass") == raw
+    verbatim = check_verbatim and encode(record).encode("utf-8", "surrogatepass") == raw
     return Entry(str(record["id"]), record.get("rid"), record.get("time", 0), path, offset,
                  len(raw), verbatim, record.get("prompt_tokens"),
                  record.get("completion_tokens"), list_len(record.get("prompt_ids")),
                  list_len(record.get("output_ids")), bool(record.get("truncated")))
 
 
-def iter_index(dataset_dir: Path) -> Iterator[Entry | Problem]:
-    """An entry per record (or the problem of its line), in ``iter_records``' order."""
+def iter_index(dataset_dir: Path, check_verbatim: bool = False) -> Iterator[Entry | Problem]:
+    """An entry per record (or the problem of its line), in ``iter_records``' order.
+
+    ``check_verbatim`` is for a caller that copies lines: the check costs about as much
+    as parsing the line, so counting alone goes without it."""
     for path in record_files(dataset_dir):
         name = str(path)
         for offset, raw, item in iter_lines(path):
-            yield item if isinstance(item, Problem) else entry(item, name, offset, raw)
+            yield item if isinstance(item, Problem) else entry(item, name, offset, raw,
+                                                                check_verbatim)
 
 
-def choose_entries(dataset_dir: Path, committed: Mapping[str, str] | None = None
+def choose_entries(dataset_dir: Path, committed: Mapping[str, str] | None = None,
+                   check_verbatim: bool = False
                    ) -> tuple[dict[str, Entry], list[Problem], int]:
     """``records.canonical`` of the dataset's records, as entries."""
-    return choose(iter_index(dataset_dir), Entry.rank, committed)
+    return choose(iter_index(dataset_dir, check_verbatim), Entry.rank, committed)
 
 
 class LineReader:

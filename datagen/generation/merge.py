@@ -38,8 +38,8 @@ def merge_dataset(output_dir: str | Path, dataset: str,
                   committed: Mapping[str, str] | None = None,
                   include_uncommitted: bool = False) -> MergeReport:
     report = MergeReport(dataset)
-    chosen, problems, report.duplicates = choose_entries(records_dir(output_dir, dataset),
-                                                         committed)
+    chosen, problems, report.duplicates = choose_entries(
+        records_dir(output_dir, dataset), committed, check_verbatim=True)
     report.problems = [str(p) for p in problems]
     kept = []
     for sid, e in chosen.items():

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from config.settings import Settings
+from datagen.generation.index import iter_index
 from datagen.generation.ledger import Ledger, connect
 from datagen.generation.merge import merge_dataset
-from datagen.generation.records import canonical, iter_records, merged_path, records_dir
+from datagen.generation.records import Problem, canonical, iter_records, merged_path, records_dir
 from datagen.generation.recovery import rebuild_dataset
 
 
@@ -145,3 +146,12 @@ def test_the_streamed_merge_writes_what_merging_whole_records_wrote(
     kept.sort(key=lambda r: (r.get("time", 0), str(r["id"])))
     merge_dataset(out, "B1", committed)
     assert merged(out) == "".join(compact(r) for r in kept).encode()
+
+
+def test_compact_lines_are_copied_and_other_lines_re_encoded(out: Path) -> None:
+    entries = [e for e in iter_index(records_dir(out, "B1"), check_verbatim=True)
+               if not isinstance(e, Problem)]
+    assert {e.id for e in entries if not e.verbatim} == {"s4"}  # the spaced old line
+    # An index for counting only does not pay for the check: nothing is copied from it.
+    assert not any(e.verbatim for e in iter_index(records_dir(out, "B1"))
+                   if not isinstance(e, Problem))
