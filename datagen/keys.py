@@ -40,7 +40,7 @@ DONE = "done"
 #   samples, truncated, dead, duplicates, discarded_tokens, revoked, refused.
 STATS = "stats"
 # HASH sample id -> JSON task payload of enqueued samples not yet done
-# (lets a sweep re-enqueue what a crash lost).
+# (lets a sweep re-enqueue what a crash lost); deleted when the dataset closes.
 PENDING = "pending"
 # HASH rid -> JSON {sample, worker, start, max_new_tokens, progress} of requests in flight.
 INFLIGHT = "inflight"
