@@ -93,8 +93,12 @@ bench: install ## CPU benchmarks: throughput, budget precision, extraction (benc
 bench-load: install ## enqueue 100,000 prompts of ~2K tokens: Redis memory, producer memory
 	$(PY) bench/bench_load.py
 
+bench-memory: install ## merge and rebuild peak memory at 100,000 records (goal <= 500 MB)
+	$(PY) bench/bench_memory.py
+
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract estimate calibrate recover metrics plot up up-sim down bench bench-load clean
+	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-memory \
+	clean

@@ -18,7 +18,7 @@ from config.settings import Settings, settings_fields
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
 from datagen.errors import LedgerUnavailable
-from datagen.generation.guard import close, enqueue
+from datagen.generation.guard import close, enqueue, on_closed
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
@@ -122,6 +122,8 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
         elif time.monotonic() - last_line >= max(interval, 10.0):
             last_line = time.monotonic()
             print(progress_line(table), flush=True)
+        if app is not None:
+            _finish_closes(app, ledger, table)
         if until_finished and status_mod.finished(table):
             return table
         # Samples pending while nothing runs and the queues are empty: their messages
@@ -135,6 +137,15 @@ def follow(ledger: Ledger, interval: float, until_finished: bool = True,
         else:
             stalled_since = None
         time.sleep(interval)
+
+
+def _finish_closes(app: Any, ledger: Ledger, table: list[status_mod.Row]) -> None:
+    """A closed dataset still holding pending work: whoever closed it died before the
+    close's actions (revoke, drop pending, aborts) ran. Run them."""
+    for row in table:
+        reason = ledger.closed(row.dataset) if row.state.startswith("closed") else None
+        if reason and row.queued:
+            on_closed(app, ledger, row.dataset, reason, ledger.settings.abort_on_close)
 
 
 def progress_line(table: list[status_mod.Row]) -> str:

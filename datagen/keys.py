@@ -61,7 +61,7 @@ DONE = "done"
 #   samples, truncated, dead, duplicates, discarded_tokens, revoked, refused.
 STATS = "stats"
 # HASH sample id -> JSON task payload of enqueued samples not yet done
-# (lets a sweep re-enqueue what a crash lost).
+# (lets a sweep re-enqueue what a crash lost); deleted when the dataset closes.
 PENDING = "pending"
 # HASH sample id -> JSON {rid, worker, server, start, max_new_tokens, prompt_tokens, b} of
 # requests in flight (start in Redis time; b = the BUCKETS field the entry is counted in).

@@ -138,7 +138,7 @@ class Producer:
             log.info("%s", reason)
             return report
         done = self.ledger.done_ids(dataset)
-        queued = set(self.ledger.r.hkeys(self.ledger.k(dataset, keys.PENDING)))
+        queued = self.ledger.pending_ids(dataset)
         cap = self._room(dataset, len(done))
         store = PromptStore(self.settings.output_dir, dataset)
         epoch = self.ledger.epoch(dataset)

@@ -69,6 +69,7 @@ def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
     for name, budget in budgets.items():
         snap = ledger.snapshot(name)
         assert snap["closed"] == "budget", name
+        assert snap["pending"] == 0, name  # its revoked work is not shown as queued
         assert budget <= snap["tokens"] <= budget + settings.short_max_tokens, (name, snap)
         assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, name))
         # ... and no request of a closed dataset left a worker after the close.
@@ -171,6 +172,7 @@ def test_lowering_a_budget_closes_at_once_and_raising_it_reopens(stack: Stack) -
     # Then: the dataset closes at once and no request of it starts afterwards
     assert lowered.returncode == 0 and "closed" in lowered.stdout, lowered.stderr
     assert ledger.closed("B1") == "budget"
+    assert ledger.snapshot("B1")["pending"] == 0  # status shows nothing queued
     time.sleep(1.5)
     assert starts_after_close(stack, ledger, "B1") == []
     done_at_close = ledger.snapshot("B1")["stats"]["samples"]

@@ -107,7 +107,8 @@ def generate(self, **payload: object) -> str:
 def _follow_up(ctx: Context, job: Job, outcome: Outcome) -> None:
     """What the outcome asks of the worker: close actions, woken and handed-back work."""
     if outcome.closed_now:
-        on_closed(app, ctx.ledger, job.dataset, "budget", ctx.settings.abort_on_close)
+        reason = ctx.ledger.closed(job.dataset) or "budget"  # or max_samples
+        on_closed(app, ctx.ledger, job.dataset, reason, ctx.settings.abort_on_close)
     for payload in outcome.woken:
         requeue(Job.from_payload(json.loads(payload)))
     if outcome.status == "requeue":

@@ -41,7 +41,9 @@ def enqueue(app: Celery, job: Job, producer: Any = None, retry: bool = False) ->
 
 def on_closed(app: Celery, ledger: Ledger, dataset: str, reason: str,
               abort_in_flight: bool = False) -> None:
-    """Everything that follows a close: revoke queued tasks, optionally abort in flight."""
+    """Everything that follows a close: revoke queued tasks, drop their pending payloads
+    (nothing redoes them: the sweep skips a closed dataset, a reopen enqueues anew),
+    optionally abort in flight."""
     epoch = ledger.epoch(dataset)
     ledger.event(dataset, f"closed:{reason}")
     log.info("%s closed (%s): revoking its queued tasks", dataset, reason)

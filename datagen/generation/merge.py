@@ -4,24 +4,20 @@ One record per sample id (``records.canonical``): the one the ledger counted
 when Redis knows it, else the earliest written. Records written but never
 committed (a worker died between fsync and commit, and the dataset closed
 before the redo) are left out by default so the merged tokens equal the counter.
+
+Streamed in two passes (``index``): memory grows with the number of records by a
+few hundred bytes each, not with their token ids.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from datagen.generation.records import (
-    Problem,
-    canonical,
-    iter_records,
-    merged_path,
-    records_dir,
-    write_atomic,
-)
+from datagen.generation.index import LineReader, choose_entries
+from datagen.generation.records import merged_path, records_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +38,23 @@ def merge_dataset(output_dir: str | Path, dataset: str,
                   committed: Mapping[str, str] | None = None,
                   include_uncommitted: bool = False) -> MergeReport:
     report = MergeReport(dataset)
-    chosen, problems, duplicates = canonical(
-        iter_records(records_dir(output_dir, dataset)), committed)
-    report.duplicates = duplicates
-    report.problems = [str(p) for p in problems if isinstance(p, Problem)]
+    chosen, problems, report.duplicates = choose_entries(
+        records_dir(output_dir, dataset), committed, check_verbatim=True)
+    report.problems = [str(p) for p in problems]
     kept = []
-    for sid, record in chosen.items():
+    for sid, e in chosen.items():
         if committed is not None and sid not in committed and not include_uncommitted:
             report.uncommitted += 1
             continue
-        kept.append(record)
-    kept.sort(key=lambda r: (r.get("time", 0), str(r["id"])))
-    for record in kept:
-        report.prompt_tokens += int(record.get("prompt_tokens") or 0)
-        report.completion_tokens += int(record.get("completion_tokens") or 0)
+        kept.append(e)
+    del chosen
+    kept.sort(key=lambda e: (e.time, e.id))
+    for e in kept:
+        report.prompt_tokens += int(e.prompt_tokens or 0)
+        report.completion_tokens += int(e.completion_tokens or 0)
     path = merged_path(output_dir, dataset)
-    report.records = write_atomic(
-        path, (json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in kept))
+    with LineReader() as reader:
+        report.records = write_atomic(path, (reader.line(e) for e in kept))
     report.path = str(path)
     for problem in report.problems:
         log.warning("%s", problem)

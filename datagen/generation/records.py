@@ -17,10 +17,10 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from datagen.errors import StorageError
 
@@ -103,46 +103,63 @@ class Problem:
 
 def iter_records(dataset_dir: Path) -> Iterator[dict[str, Any] | Problem]:
     """Every record under one dataset's records folder, in a stable order."""
-    if not dataset_dir.is_dir():
-        return
-    for path in sorted(dataset_dir.glob("*.jsonl")):
-        yield from _iter_file(path)
+    for path in record_files(dataset_dir):
+        for _, _, item in iter_lines(path):
+            yield item
 
 
-def _iter_file(path: Path) -> Iterator[dict[str, Any] | Problem]:
+def record_files(dataset_dir: Path) -> list[Path]:
+    return sorted(dataset_dir.glob("*.jsonl")) if dataset_dir.is_dir() else []
+
+
+def iter_lines(path: Path) -> Iterator[tuple[int, bytes, dict[str, Any] | Problem]]:
+    """(byte offset, raw line, record or problem) of each non-blank line of one file."""
+    offset = 0
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                torn = not raw.endswith(b"\n")
-                yield Problem(str(path), number,
-                              "torn last line (writer killed mid-write)" if torn
-                              else "invalid JSON")
-                continue
-            if not isinstance(record, dict) or "id" not in record:
-                yield Problem(str(path), number, "not a record (no id)")
-                continue
-            yield record
+            start, offset = offset, offset + len(raw)
+            if raw.strip():
+                yield start, raw, _parse(raw, path, number)
+
+
+def _parse(raw: bytes, path: Path, number: int) -> dict[str, Any] | Problem:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        torn = not raw.endswith(b"\n")
+        return Problem(str(path), number,
+                       "torn last line (writer killed mid-write)" if torn else "invalid JSON")
+    if not isinstance(record, dict) or "id" not in record:
+        return Problem(str(path), number, "not a record (no id)")
+    return record
 
 
 def counted_tokens(record: Mapping[str, Any], measure: str) -> int | None:
     """The tokens a record counts against the budget, or None when unknown (old format)."""
-    completion = record.get("completion_tokens")
-    if completion is None and isinstance(record.get("output_ids"), list):
-        completion = len(record["output_ids"])
+    return tokens_counted(record.get("completion_tokens"), list_len(record.get("output_ids")),
+                          record.get("prompt_tokens"), list_len(record.get("prompt_ids")),
+                          measure)
+
+
+def tokens_counted(completion: Any, output_len: int | None, prompt: Any,
+                   prompt_len: int | None, measure: str) -> int | None:
+    """``counted_tokens`` from a record's fields and the lengths of its id lists (None: the
+    record has no such list), so that an index of records counts exactly like the records."""
+    if completion is None:
+        completion = output_len
     if completion is None:
         return None
     if measure == "total":
-        prompt = record.get("prompt_tokens")
-        if prompt is None and isinstance(record.get("prompt_ids"), list):
-            prompt = len(record["prompt_ids"])
+        if prompt is None:
+            prompt = prompt_len
         if prompt is None:
             return None
         return int(prompt) + int(completion)
     return int(completion)
+
+
+def list_len(value: Any) -> int | None:
+    return len(value) if isinstance(value, list) else None
 
 
 def is_current(record: Mapping[str, Any]) -> bool:
@@ -151,35 +168,55 @@ def is_current(record: Mapping[str, Any]) -> bool:
         record.get("prompt_ids"), list)
 
 
-def canonical(records: Iterator[dict[str, Any] | Problem],
+# What the choice between two copies of a sample looks at: (sample id, rid, time).
+Rank = tuple[str, Any, Any]
+T = TypeVar("T")
+
+
+def record_rank(record: Mapping[str, Any]) -> Rank:
+    return str(record["id"]), record.get("rid"), record.get("time", 0)
+
+
+def canonical(records: Iterable[dict[str, Any] | Problem],
               committed: Mapping[str, str] | None = None
               ) -> tuple[dict[str, dict[str, Any]], list[Problem], int]:
     """One record per sample id: the committed one when the ledger knows it, else the
     earliest written. Returns (records by id, problems, duplicates dropped)."""
-    chosen: dict[str, dict[str, Any]] = {}
+    return choose(records, record_rank, committed)
+
+
+def choose(items: Iterable[T | Problem], rank: Callable[[T], Rank],
+           committed: Mapping[str, str] | None = None
+           ) -> tuple[dict[str, T], list[Problem], int]:
+    """``canonical`` over any items that ``rank`` reads: whole records, or the entries of
+    an index of them (``index.Entry``), which are then chosen exactly alike."""
+    chosen: dict[str, T] = {}
     problems: list[Problem] = []
     duplicates = 0
-    for item in records:
+    for item in items:
         if isinstance(item, Problem):
             problems.append(item)
             continue
-        sid = str(item["id"])
-        if sid in chosen:
+        new = rank(item)
+        if new[0] in chosen:
             duplicates += 1
-            if _prefer(item, chosen[sid], committed):
-                chosen[sid] = item
-            continue
-        chosen[sid] = item
+            if not _prefer(new, rank(chosen[new[0]]), committed):
+                continue
+        chosen[new[0]] = item
     return chosen, problems, duplicates
 
 
-def _prefer(new: Mapping[str, Any], old: Mapping[str, Any],
-            committed: Mapping[str, str] | None) -> bool:
-    if committed and str(new["id"]) in committed:
-        rid = committed[str(new["id"])].split(" ", 1)[0]
-        return new.get("rid") == rid and old.get("rid") != rid
-    return (new.get("time", 0), str(new.get("rid", ""))) < (
-        old.get("time", 0), str(old.get("rid", "")))
+def _prefer(new: Rank, old: Rank, committed: Mapping[str, str] | None) -> bool:
+    sid = new[0]
+    if committed and sid in committed:
+        rid = committed[sid].split(" ", 1)[0]
+        return new[1] == rid and old[1] != rid
+    # A missing (or null) rid sorts as "".
+    return (new[2], _rid_order(new[1])) < (old[2], _rid_order(old[1]))
+
+
+def _rid_order(rid: Any) -> str:
+    return "" if rid is None else str(rid)
 
 
 def write_atomic(path: Path, lines: Iterator[str]) -> int:

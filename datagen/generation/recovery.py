@@ -12,14 +12,9 @@ import logging
 from dataclasses import dataclass, field
 
 from datagen import keys
+from datagen.generation.index import choose_entries
 from datagen.generation.ledger import Ledger
-from datagen.generation.records import (
-    canonical,
-    counted_tokens,
-    is_current,
-    iter_records,
-    records_dir,
-)
+from datagen.generation.records import records_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +45,28 @@ class Rebuilt:
 def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
     """Replace the dataset's ledger state with what its records on disk say."""
     out = Rebuilt(dataset)
-    chosen, problems, out.duplicates = canonical(
-        iter_records(records_dir(ledger.settings.output_dir, dataset)))
+    # Entries, not records: the counts need no token ids (see ``index``).
+    chosen, problems, out.duplicates = choose_entries(
+        records_dir(ledger.settings.output_dir, dataset))
     out.problems = [str(p) for p in problems]
     done: dict[str, str] = {}
     stats = {"tokens": 0, "prompt_tokens": 0, "completion_tokens": 0, "samples": 0,
              "truncated": 0}
     lengths: list[int] = []
-    for sid, record in chosen.items():
-        if not is_current(record):
+    for sid, e in chosen.items():
+        if not e.is_current():
             out.old_format += 1
-        counted = counted_tokens(record, ledger.settings.budget_counts)
+        counted = e.counted_tokens(ledger.settings.budget_counts)
         if counted is None:
             out.unknown_tokens += 1
             continue
-        completion = int(record.get("completion_tokens") or len(record.get("output_ids", [])))
-        done[sid] = f"{record.get('rid', 'adopted')} {counted}"
+        completion = int(e.completion_tokens or e.output_len or 0)
+        done[sid] = f"{'adopted' if e.rid is None else e.rid} {counted}"
         stats["tokens"] += counted
-        stats["prompt_tokens"] += int(record.get("prompt_tokens") or 0)
+        stats["prompt_tokens"] += int(e.prompt_tokens or 0)
         stats["completion_tokens"] += completion
         stats["samples"] += 1
-        stats["truncated"] += int(bool(record.get("truncated")))
+        stats["truncated"] += int(e.truncated)
         lengths.append(completion)
     _store(ledger, dataset, done, stats, lengths)
     out.samples, out.tokens = stats["samples"], stats["tokens"]
@@ -79,6 +75,8 @@ def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
         ledger.close(dataset, "budget")  # a close with another reason stays as it was
     elif ledger.settings.max_samples and out.samples >= ledger.settings.max_samples:
         ledger.close(dataset, "max_samples")
+    if ledger.closed(dataset):
+        ledger.drop_pending(dataset)
     return out
 
 

@@ -9,6 +9,9 @@ import time
 import pytest
 
 from config.settings import Settings
+from datagen import status
+from datagen.celery_app import make_app
+from datagen.generation import guard
 from datagen.generation.ledger import Ledger, connect, length_model
 
 
@@ -95,6 +98,26 @@ def _lognormal(n: int, mean: float, sigma: float, cap: int, seed: int) -> list[i
     rng = random.Random(seed)
     mu = math.log(mean) - sigma * sigma / 2
     return [min(cap, max(1, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def test_pending_ids_are_the_pending_samples_without_payloads(ledger: Ledger) -> None:
+    ledger.add_pending("A", {"s1": '{"big": 1}', "s2": "{}"})
+    assert ledger.pending_ids("A") == {"s1", "s2"}
+    assert ledger.pending_ids("B") == set()
+
+
+def test_a_close_drops_the_pending_payloads_and_status_queues_nothing(
+        ledger: Ledger) -> None:
+    # Given: queued work of two datasets
+    ledger.add_pending("A", {"s1": "{}", "s2": "{}"})
+    ledger.add_pending("B", {"s3": "{}"})
+    # When: A closes through the guard (a real stamped revoke over this Redis)
+    assert guard.close(make_app(ledger.settings), ledger, "A", "operator")
+    # Then: A has nothing pending any more, B keeps its work
+    assert ledger.pending("A") == {} and ledger.snapshot("A")["pending"] == 0
+    assert ledger.pending_ids("B") == {"s3"}
+    [row] = [r for r in status.rows(ledger) if r.dataset == "A"]
+    assert row.queued == 0 and row.state == "closed (operator)"
 
 
 def test_length_model_conditional_means_match_the_data_and_grow() -> None:

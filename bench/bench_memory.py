@@ -1,0 +1,308 @@
+"""Peak memory of merge and rebuild, against the number of records and their size.
+
+    .venv/bin/python bench/bench_memory.py                   # 3 cases, ~30 s on 2 cores
+    .venv/bin/python bench/bench_memory.py --before 4e45271  # and the old code too, ~70 s
+    .venv/bin/python bench/bench_memory.py --realistic-records 100000  # 4.5 GB disk, ~2.5 min
+
+Goal (issue 11 §6): at most 500 MB peak for a dataset of any size, shown at 100,000
+records. Each case writes synthetic records over 8 worker files (1% of the samples
+written twice, one torn last line), rebuilds the ledger from them in one child process
+and merges them (with the committed rids, as ``datagen merge`` does) in another; each
+child reports its peak RSS, and the synthetic records are deleted after. Three cases
+separate the two sizes: 10,000 small records (128 + 256 ids), as many realistic ones
+(2,048 prompt + 3,700 output ids, as at the issue's 2K + 3.7K tokens) and 100,000 small
+ones. Holding the records whole, as merge and rebuild did before, takes the parsed size of
+one record (measured here) times their number; ``--before REV`` measures that code too,
+and checks that it merges to the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import redis  # noqa: E402
+
+from datagen import keys  # noqa: E402
+from datagen.generation.index import encode  # noqa: E402
+from datagen.generation.job import Job  # noqa: E402
+from datagen.generation.records import records_dir  # noqa: E402
+from datagen.redis_server import RedisServer  # noqa: E402
+
+DATASET = "B1_mem"
+WORKER_FILES = 8
+DUPLICATE_EVERY = 100  # one sample in 100 written twice (a redelivery)
+ID_LISTS = 16  # distinct id lists reused across records: the bytes are what matters
+GOAL_MB = 500
+
+CHILD = """
+import importlib.util, json, os, resource, sys, time
+from config.settings import load_settings
+from datagen.generation.ledger import Ledger
+from datagen.generation.merge import merge_dataset
+from datagen.generation.recovery import rebuild_dataset
+def old(name):  # the module as it was at --before REV
+    path = os.path.join(os.environ["BENCH_BEFORE_DIR"], name + ".py")
+    spec = importlib.util.spec_from_file_location("before_" + name, path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+if os.environ.get("BENCH_BEFORE_DIR"):
+    merge_dataset = old("merge").merge_dataset
+    rebuild_dataset = old("recovery").rebuild_dataset
+def rss_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+s = load_settings()
+ledger = Ledger.from_settings(s)
+base = rss_mb()
+t0 = time.monotonic()
+if sys.argv[1] == "rebuild":
+    out = rebuild_dataset(ledger, sys.argv[2])
+    result = {"records": out.samples, "duplicates": out.duplicates, "problems": len(out.problems)}
+else:
+    out = merge_dataset(s.output_dir, sys.argv[2], ledger.committed(sys.argv[2]) or None)
+    result = {"records": out.records, "duplicates": out.duplicates, "problems": len(out.problems)}
+result.update(seconds=time.monotonic() - t0, base_mb=base,
+              peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(json.dumps(result))
+"""
+
+
+# What a producer re-run reads of the pending hash: every payload, or the ids alone.
+PENDING_CHILD = """
+import json, resource, sys, time
+from config.settings import load_settings
+from datagen.generation.ledger import Ledger
+ledger = Ledger.from_settings(load_settings())
+t0 = time.monotonic()
+read = ledger.pending if sys.argv[1] == "hgetall" else ledger.pending_ids
+count = len(read(sys.argv[2]))
+print(json.dumps({"pending": count, "seconds": time.monotonic() - t0,
+                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=int, default=100_000, help="records of the large case")
+    p.add_argument("--realistic-records", type=int, default=10_000,
+                   help="records of the realistic-size case")
+    p.add_argument("--small-ids", default="128,256",
+                   help="prompt,output ids per record of the small cases")
+    p.add_argument("--realistic-ids", default="2048,3700",
+                   help="prompt,output ids per record of the realistic case")
+    p.add_argument("--before", metavar="REV", default=None,
+                   help="also run merge and rebuild as they were at this git revision "
+                        "(e.g. 4e45271, whole records in memory)")
+    p.add_argument("--before-max-gb", type=float, default=3.0,
+                   help="--before only where holding the records whole takes at most this")
+    p.add_argument("--pending", type=int, default=300_000,
+                   help="pending samples for the HGETALL vs HKEYS read (0: skip it)")
+    p.add_argument("--workdir", default=None, help="where the synthetic records go (deleted)")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_memory.json"))
+    return p.parse_args()
+
+
+def id_lists(rng: random.Random, count: int) -> list[list[int]]:
+    return [[rng.randrange(152_000) for _ in range(count)] for _ in range(ID_LISTS)]
+
+
+def make_record(i: int, copy: int, prompts: list[list[int]], outputs: list[list[int]],
+                t0: float) -> dict[str, Any]:
+    """A record shaped like the runner's (``runner.persist``); ~4 bytes of text per token."""
+    prompt, output = prompts[i % ID_LISTS], outputs[(i * 7 + copy) % ID_LISTS]
+    return {"v": 1, "id": f"s{i:07d}", "dataset": DATASET, "rid": f"{i:08x}{copy:024x}",
+            "queue": "short",
+            "messages": [{"role": "user", "content": "word " * (len(prompt) * 4 // 5)}],
+            "prompt_ids": prompt, "output_ids": output, "finish_reason": "stop",
+            "prompt_tokens": len(prompt), "completion_tokens": len(output),
+            "truncated": False, "server": "http://127.0.0.1:30000", "worker": f"w{copy}",
+            "host": "bench", "time": t0 + i * 0.01 + copy, "latency_s": 12.5}
+
+
+def write_records(out: Path, n: int, prompt_ids: int, output_ids: int) -> dict[str, Any]:
+    """n samples over WORKER_FILES files, 1% twice, one torn line; returns what was written."""
+    rng = random.Random(n)
+    prompts, outputs = id_lists(rng, prompt_ids), id_lists(rng, output_ids)
+    folder = records_dir(out, DATASET)
+    folder.mkdir(parents=True)
+    files = [open(folder / f"bench-{w}.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+             for w in range(WORKER_FILES)]
+    t0 = time.time()
+    try:
+        for i in range(n):
+            files[i % WORKER_FILES].write(encode(make_record(i, 0, prompts, outputs, t0)))
+            if i % DUPLICATE_EVERY == 0:  # a later copy in another worker's file
+                files[(i + 1) % WORKER_FILES].write(
+                    encode(make_record(i, 1, prompts, outputs, t0)))
+        files[-1].write(encode(make_record(n, 0, prompts, outputs, t0))[:200])  # torn
+    finally:
+        for fh in files:
+            fh.close()
+    return {"records": n, "duplicates": len(range(0, n, DUPLICATE_EVERY)),
+            "disk_bytes": sum(p.stat().st_size for p in folder.iterdir()),
+            "parsed_bytes": parsed_size(make_record(0, 0, prompts, outputs, t0))}
+
+
+def parsed_size(record: dict[str, Any]) -> int:
+    """Python memory of one parsed record: what holding whole records costs each."""
+    line = encode(record)
+    tracemalloc.start()
+    parsed = json.loads(line)
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del parsed
+    return size
+
+
+def before_modules(rev: str, folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    for name in ("merge", "recovery"):
+        source = subprocess.run(["git", "show", f"{rev}:datagen/generation/{name}.py"],
+                                cwd=REPO, capture_output=True, text=True, check=True).stdout
+        (folder / f"{name}.py").write_text(source)
+    return folder
+
+
+def child(step: str, env: dict[str, str], code: str = CHILD) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", code, step, DATASET], cwd=REPO, env=env,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_case(name: str, tmp: Path, n: int, ids: tuple[int, int], before: Path | None,
+             before_max_bytes: float) -> dict[str, Any]:
+    case_dir = tmp / name
+    started = time.monotonic()
+    written = write_records(case_dir / "out", n, *ids)
+    write_s = time.monotonic() - started
+    merged = case_dir / "out" / DATASET / "raw_responses.jsonl"
+    with RedisServer(workdir=case_dir / "redis") as srv:
+        env = dict(os.environ, DATAGEN_REDIS_URL=srv.url,
+                   DATAGEN_OUTPUT_DIR=str(case_dir / "out"), DATAGEN_LOG_LEVEL="WARNING",
+                   DATAGEN_TOKEN_BUDGET=str(10**15))
+        now = steps(env, merged)
+        old = None
+        if before and n * written["parsed_bytes"] <= before_max_bytes:
+            old = steps(dict(env, BENCH_BEFORE_DIR=str(before)), merged)
+    shutil.rmtree(case_dir)
+    for step in (now["rebuild"], now["merge"], *(old and (old["rebuild"], old["merge"]) or ())):
+        # A wrong result would make its memory figure meaningless.
+        if (step["records"], step["duplicates"], step["problems"]) != (
+                n, written["duplicates"], 1):
+            raise SystemExit(f"{name}: unexpected result {step} for {written}")
+    if old and old["sha256"] != now["sha256"]:
+        raise SystemExit(f"{name}: the merged file differs from the one {before} wrote")
+    return {"case": name, "prompt_ids": ids[0], "output_ids": ids[1], "write_s": write_s,
+            **written, **now, "before": old}
+
+
+def steps(env: dict[str, str], merged: Path) -> dict[str, Any]:
+    """Rebuild, then merge with the rids it committed, each in a child of its own."""
+    rebuild, merge = child("rebuild", env), child("merge", env)
+    digest = hashlib.sha256()
+    with open(merged, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return {"rebuild": rebuild, "merge": merge, "merged_bytes": merged.stat().st_size,
+            "sha256": digest.hexdigest()}
+
+
+def pending_reads(tmp: Path, n: int) -> dict[str, Any]:
+    """Peak RSS and time of reading n pending entries (real payloads) whole, or their ids."""
+    with RedisServer(workdir=tmp / "redis-pending") as srv:
+        env = dict(os.environ, DATAGEN_REDIS_URL=srv.url, DATAGEN_LOG_LEVEL="WARNING")
+        client = redis.Redis.from_url(srv.url)
+        for start in range(0, n, 10_000):
+            client.hset(keys.dataset_key(DATASET, keys.PENDING), mapping={
+                f"s{i:07d}": json.dumps(Job(DATASET, f"s{i:07d}", "short",
+                                            f"prompts/{DATASET}/bench-1.bin", i * 8192,
+                                            2048, 8192, 0).payload())
+                for i in range(start, min(n, start + 10_000))})
+        used = client.info("memory")["used_memory"]
+        client.close()
+        return {"pending": n, "redis_bytes": used,
+                "hgetall": child("hgetall", env, PENDING_CHILD),
+                "hkeys": child("hkeys", env, PENDING_CHILD)}
+
+
+def table(cases: list[dict[str, Any]]) -> str:
+    head = ("| case | records | ids per record (prompt + output) | on disk per record | "
+            "held whole (estimate) | rebuild peak RSS | merge peak RSS | rebuild s | merge s | "
+            "before: rebuild / merge peak RSS |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for c in cases:
+        whole = c["records"] * c["parsed_bytes"]
+        lines.append(
+            f"| {c['case']} | {c['records']:,} | {c['prompt_ids']:,} + {c['output_ids']:,} | "
+            f"{c['disk_bytes'] / c['records'] / 1e3:.1f} KB | {_size(whole)} "
+            f"({c['parsed_bytes'] / 1e3:.0f} KB each) | {c['rebuild']['peak_mb']:.0f} MB | "
+            f"{c['merge']['peak_mb']:.0f} MB | {c['rebuild']['seconds']:.1f} | "
+            f"{c['merge']['seconds']:.1f} | {_before(c['before'])} |")
+    return "\n".join(lines)
+
+
+def _before(old: dict[str, Any] | None) -> str:
+    if not old:
+        return "not run"
+    return (f"{old['rebuild']['peak_mb']:,.0f} MB / {old['merge']['peak_mb']:,.0f} MB "
+            f"({old['rebuild']['seconds']:.1f} s / {old['merge']['seconds']:.1f} s)")
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.0f} MB"
+
+
+def main() -> int:
+    args = parse_args()
+    small = tuple(int(x) for x in args.small_ids.split(","))
+    realistic = tuple(int(x) for x in args.realistic_ids.split(","))
+    few = max(1, args.records // 10)
+    plan = [("small records", few, small),
+            ("realistic records", args.realistic_records, realistic),
+            ("small records, 10x as many", args.records, small)]
+    with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=args.workdir) as name:
+        tmp = Path(name)
+        before = before_modules(args.before, tmp / "before") if args.before else None
+        cases = [run_case(label, tmp, n, ids, before, args.before_max_gb * 1e9)
+                 for label, n, ids in plan]
+        pending = pending_reads(tmp, args.pending) if args.pending else None
+    print(table(cases))
+    base = max(c[s]["base_mb"] for c in cases for s in ("rebuild", "merge"))
+    peak = max(c[s]["peak_mb"] for c in cases for s in ("rebuild", "merge"))
+    verdict = "met" if peak <= GOAL_MB else "MISSED"
+    print(f"\nchild RSS before the work (Python, redis, datagen imports): {base:.0f} MB; "
+          f"highest peak {peak:.0f} MB; goal <= {GOAL_MB} MB: {verdict}")
+    if pending:
+        print(f"\nproducer re-run, {pending['pending']:,} pending: "
+              + "; ".join(f"{how} {pending[how]['peak_mb']:.0f} MB peak RSS, "
+                          f"{pending[how]['seconds']:.2f} s" for how in ("hgetall", "hkeys")))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
+        "goal_mb": GOAL_MB, "cases": cases, "pending_read": pending}, indent=2))
+    return 0 if peak <= GOAL_MB else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
