@@ -1,11 +1,14 @@
 """How precisely the budget guard stops a dataset: precise admission vs the naive stop.
 
-Runs one dataset through a real short worker (150 threads) against the SGLang
+Runs datasets through a real short worker (150 threads) against the SGLang
 simulator (mean ~3.7K tokens, lognormal tail), with both admission rules side
-by side in one run, and reports overshoot, discarded tokens, requests started
-after the close, and the time between 95% of the budget and the close.
+by side in one run, and reports per dataset: overshoot, discarded tokens,
+requests started after the close, the time between 95% of the budget and the
+close, Celery task runs per sample (from the worker's log), and Redis commands
+per second in the last 5% before the close against the steady state (20-80%).
 
     .venv/bin/python bench/bench_budget.py            # budget 2M, 150 workers, 3 rounds
+    .venv/bin/python bench/bench_budget.py --datasets 4 --budget 300000   # sharing a server
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ from producers.producer import Producer  # noqa: E402
 DATASET = "B1_bench"
 
 
+def names(count: int) -> list[str]:
+    return [DATASET] if count == 1 else [f"B{i + 1}_bench" for i in range(count)]
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget", type=int, default=2_000_000)
+    p.add_argument("--budget", type=int, default=2_000_000, help="per dataset")
+    p.add_argument("--datasets", type=int, default=1, help="datasets sharing the server")
     p.add_argument("--workers", type=int, default=150, help="short-queue concurrency")
     p.add_argument("--prompts", type=int, default=1500)
     p.add_argument("--mean", type=float, default=3700)
@@ -54,32 +62,46 @@ def parse_args() -> argparse.Namespace:
 
 
 class Timeline(threading.Thread):
-    """Samples the committed tokens every 50 ms: when did the count pass 95%?"""
+    """Samples committed tokens and Redis's command count every 50 ms."""
 
-    def __init__(self, ledger: Ledger):
+    def __init__(self, ledger: Ledger, datasets: list[str]):
         super().__init__(daemon=True)
         self.ledger = ledger
-        self.points: list[tuple[float, int]] = []
+        self.datasets = datasets
+        self.points: list[tuple[float, dict[str, int], int]] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.05):
-            self.points.append((time.time(), self.ledger.snapshot(DATASET)["tokens"]))
+            tokens = {d: self.ledger.snapshot(d)["tokens"] for d in self.datasets}
+            commands = int(self.ledger.r.info("stats")["total_commands_processed"])
+            self.points.append((time.time(), tokens, commands))
+
+    def passed(self, dataset: str, level: float, default: float) -> float:
+        return next((t for t, tok, _ in self.points if tok[dataset] >= level), default)
+
+    def command_rate(self, t0: float, t1: float) -> float | None:
+        inside = [(t, c) for t, _, c in self.points if t0 <= t <= t1]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
 
 
-def make_partition(root: Path, n: int) -> Path:
-    folder = root / "partition" / DATASET
-    folder.mkdir(parents=True)
-    with open(folder / "p.jsonl", "w") as fh:
-        for i in range(n):
-            fh.write(json.dumps({"id": f"q{i:06d}", "prompt": f"Explain topic {i} in depth."})
-                     + "\n")
+def make_partition(root: Path, n: int, datasets: list[str]) -> Path:
+    for dataset in datasets:
+        folder = root / "partition" / dataset
+        folder.mkdir(parents=True)
+        with open(folder / "p.jsonl", "w") as fh:
+            for i in range(n):
+                fh.write(json.dumps({"id": f"q{i:06d}",
+                                     "prompt": f"Explain topic {i} in depth."}) + "\n")
     return root / "partition"
 
 
 def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Path,
               encoder: ChatEncoder) -> dict[str, Any]:
     logs = tmp / "logs"
+    datasets = names(args.datasets)
     with RedisServer(workdir=tmp / "redis") as srv:
         sim, url = start_simulator(logs, [
             "--max-running-requests", str(args.workers + 50), "--mean-output-tokens",
@@ -89,7 +111,7 @@ def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Pat
             str(encoder.eos_token_id)], name=f"sim-{int(precise)}")
         env = {"DATAGEN_REDIS_URL": srv.url, "DATAGEN_SERVER_URL": url,
                "DATAGEN_OUTPUT_DIR": str(tmp / "out"), "DATAGEN_TOKENIZER_PATH": str(tokenizer),
-               "DATAGEN_DATA_DIR": str(make_partition(tmp, args.prompts)),
+               "DATAGEN_DATA_DIR": str(make_partition(tmp, args.prompts, datasets)),
                "DATAGEN_TOKEN_BUDGET": str(args.budget),
                "DATAGEN_SHORT_CONCURRENCY": str(args.workers),
                "DATAGEN_SHORT_MAX_TOKENS": str(args.max_new_tokens),
@@ -101,23 +123,29 @@ def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Pat
             wait_for_workers(srv.url, 1, procs=[worker])
             settings = load_settings(None, env=env)
             ledger = Ledger.from_settings(settings)
-            timeline = Timeline(ledger)
+            timeline = Timeline(ledger, datasets)
             timeline.start()
             started = time.time()
             Producer(settings, make_app(settings), ledger).run()
-            _wait_closed_and_drained(ledger)
+            for dataset in datasets:
+                _wait_closed_and_drained(ledger, dataset)
             timeline.stop.set()
             sim_log = requests.get(f"{url}/_sim/log", timeout=30).json()
-            return _measure(args, ledger, timeline.points, sim_log, started, precise)
+            runs = worker.log_text().count("] received")
+            samples = sum(ledger.snapshot(d)["stats"].get("samples", 0) for d in datasets)
+            return {"rule": "precise" if precise else "naive", "datasets": len(datasets),
+                    "task_runs_per_sample": runs / max(1, samples),
+                    "per_dataset": [_measure(args, ledger, timeline, sim_log, started, d)
+                                    for d in datasets]}
         finally:
             worker.stop()
             sim.stop()
 
 
-def _wait_closed_and_drained(ledger: Ledger, timeout_s: float = 600) -> None:
+def _wait_closed_and_drained(ledger: Ledger, dataset: str, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        snap = ledger.snapshot(DATASET)
+        snap = ledger.snapshot(dataset)
         if snap["closed"] and snap["in_flight"] == 0:
             time.sleep(1.0)  # let stragglers that slipped past land in the log
             return
@@ -125,26 +153,31 @@ def _wait_closed_and_drained(ledger: Ledger, timeout_s: float = 600) -> None:
     raise TimeoutError("dataset did not close")
 
 
-def _measure(args: argparse.Namespace, ledger: Ledger, points: list[tuple[float, int]],
-             sim_log: list[dict[str, Any]], started: float, precise: bool) -> dict[str, Any]:
-    snap = ledger.snapshot(DATASET)
-    close_t = next(e["t"] for e in ledger.events(DATASET) if e["e"].startswith("closed"))
-    starts = [e for e in sim_log if e["event"] == "start" and e.get("dataset") == DATASET]
+def _measure(args: argparse.Namespace, ledger: Ledger, timeline: Timeline,
+             sim_log: list[dict[str, Any]], started: float, dataset: str) -> dict[str, Any]:
+    snap = ledger.snapshot(dataset)
+    close_t = next(e["t"] for e in ledger.events(dataset) if e["e"].startswith("closed"))
+    starts = [e for e in sim_log if e["event"] == "start" and e.get("dataset") == dataset]
     finished = [e for e in sim_log if e["event"] in ("finish", "abort")
-                and e.get("dataset") == DATASET]
+                and e.get("dataset") == dataset]
     generated = sum(int(e.get("completion_tokens") or 0) for e in finished)
     committed = snap["tokens"]
-    t95 = next((t for t, tok in points if tok >= 0.95 * args.budget), close_t)
+    samples = snap["stats"].get("samples", 0)
+    t95 = timeline.passed(dataset, 0.95 * args.budget, close_t)
+    steady = timeline.command_rate(timeline.passed(dataset, 0.2 * args.budget, close_t),
+                                   timeline.passed(dataset, 0.8 * args.budget, close_t))
+    near = timeline.command_rate(t95, close_t)
     after = [e for e in starts if e["time"] > close_t]
     return {
-        "rule": "precise" if precise else "naive",
-        "budget": args.budget, "committed": committed,
+        "dataset": dataset, "budget": args.budget, "committed": committed,
         "overshoot_pct": 100.0 * (committed - args.budget) / args.budget,
+        "mean_response": committed / samples if samples else 0.0,
         "discarded_pct": 100.0 * max(0, generated - committed) / args.budget,
-        "samples": snap["stats"].get("samples", 0),
+        "samples": samples,
         "requests_after_close": len(after),
         "last_start_after_close_s": max((e["time"] for e in starts), default=close_t) - close_t,
         "from_95pct_to_close_s": close_t - t95,
+        "commands_per_s_steady": steady, "commands_per_s_near_close": near,
         "run_s": close_t - started,
     }
 
@@ -171,22 +204,42 @@ def main() -> int:
     return 0
 
 
-COLUMNS = ("rule", "committed", "overshoot_pct", "discarded_pct", "requests_after_close",
-           "last_start_after_close_s", "from_95pct_to_close_s", "run_s")
+COLUMNS = ("rule", "dataset", "committed", "overshoot_pct", "discarded_pct",
+           "requests_after_close", "from_95pct_to_close_s", "commands_per_s_steady",
+           "commands_per_s_near_close", "run_s")
 
 
-def _row(r: dict[str, Any]) -> str:
-    return " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS)
+def _rows(result: dict[str, Any]) -> list[str]:
+    out = []
+    for d in result["per_dataset"]:
+        cells = {**d, "rule": result["rule"]}
+        out.append(" | ".join(_cell(cells[c]) for c in COLUMNS)
+                   + f" | {result['task_runs_per_sample']:.2f}")
+    return out
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    return "-" if value is None else str(value)
+
+
+def _row(result: dict[str, Any]) -> str:
+    return "\n".join(_rows(result))
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("\n| " + " | ".join(COLUMNS) + " |")
-    print("|" + "---|" * len(COLUMNS))
+    print("\n| " + " | ".join(COLUMNS) + " | task runs per sample |")
+    print("|" + "---|" * (len(COLUMNS) + 1))
     for r in results:
-        print(f"| {_row(r)} |")
+        for line in _rows(r):
+            print(f"| {line} |")
     for rule in ("precise", "naive"):
-        over = [r["overshoot_pct"] for r in results if r["rule"] == rule]
-        print(f"{rule}: median overshoot {statistics.median(over):.3f}%")
+        over = [d["overshoot_pct"] for r in results if r["rule"] == rule
+                for d in r["per_dataset"]]
+        if over:
+            print(f"{rule}: median overshoot {statistics.median(over):.3f}%, "
+                  f"max {max(over):.3f}%")
 
 
 def _cores() -> int:

@@ -31,9 +31,8 @@ __all__ = ["Admission", "Commit", "Ledger", "Reclaimed", "connect", "length_mode
 log = logging.getLogger(__name__)
 
 MODEL_REFRESH_S = 0.25
-# Parked samples woken per freed slot: one fills the slot; a second covers the case where
-# the freed request had been reserved at more than the one that replaces it.
-WAKE_PER_SLOT = 2
+# Most parked samples one commit or release wakes: as many as fit in the budget then.
+WAKE_MAX = 8
 REAP_BATCH = 500
 
 
@@ -155,11 +154,12 @@ class Ledger:
             keys.BUDGETS] + [self.k(dataset, p) for p in (
                 keys.SPEEDS, keys.PROGRESS, keys.BUCKETS, keys.LEASES, keys.PARKED, keys.DEAD,
                 keys.MODEL_LOCK)] + [
-            keys.SERVER_REQUESTS, keys.SERVER_LATENCY_S, keys.SERVER_TOKENS]
+            keys.SERVER_REQUESTS, keys.SERVER_LATENCY_S, keys.SERVER_TOKENS,
+            self.k(dataset, keys.MODEL)]
         args = [dataset, sample, rid, counted, prompt_tokens, completion_tokens, int(truncated),
                 self.settings.budget_for(dataset), self.settings.max_samples or 0,
                 keys.LENGTHS_KEPT, latency_s, masked_url(server or self.settings.server_url),
-                WAKE_PER_SLOT, int(MODEL_REFRESH_S * 1000)]
+                WAKE_MAX, int(MODEL_REFRESH_S * 1000), *self._wake_args()]
         status, tokens, closed_now, refresh, *woken = self._run("commit", ks, args)
         if status == "lost":
             return Commit(False, 0, False, lost=True)
@@ -171,9 +171,18 @@ class Ledger:
         """Drop an in-flight entry that did not end in a commit, if this rid still holds it;
         returns the payloads of parked samples woken into the freed slot."""
         ks = [self.k(dataset, p) for p in (keys.INFLIGHT, keys.BUCKETS, keys.LEASES,
-                                            keys.PARKED, keys.PENDING, keys.CLOSED)]
-        released, *woken = self._run("release", ks, [sample, rid, WAKE_PER_SLOT])
+                                            keys.PARKED, keys.PENDING, keys.CLOSED,
+                                            keys.STATS)] + [
+            keys.BUDGETS, self.k(dataset, keys.MODEL)]
+        args = [sample, rid, WAKE_MAX, dataset, self.settings.budget_for(dataset)]
+        released, *woken = self._run("release", ks, args + self._wake_args()[:2] + [
+            self.settings.budget_counts, self.settings.admission_margin_sd,
+            int(self.settings.precise_admission)])
         return list(woken) if released else []
+
+    def _wake_args(self) -> list[Any]:
+        return [PRIOR_TOKENS_PER_S, PRIOR_MEAN_TOKENS, self.settings.budget_counts,
+                self.settings.admission_margin_sd, int(self.settings.precise_admission)]
 
     def renew(self, held: Mapping[str, Sequence[tuple[str, str]]]) -> int:
         """Renew the leases of this owner's requests: dataset -> [(sample, rid)]."""
@@ -223,14 +232,8 @@ class Ledger:
             pipe.hgetall(self.k(dataset, keys.BUCKETS))
             pipe.time()
             raw_lengths, stats, speeds, buckets, (sec, usec) = pipe.execute()
-        decoded, decode_s = 0.0, 0.0
-        for pair in speeds:
-            tokens, seconds = pair.split()
-            decoded, decode_s = decoded + float(tokens), decode_s + float(seconds)
-        if not decode_s:
-            decoded, decode_s = float(stats.get("decoded", 0)), float(stats.get("decode_s", 0))
-        rate = decoded / decode_s if decode_s > 0 else None
-        model = length_model([int(x) for x in raw_lengths], decoded, decode_s,
+        rate = decode_rate(speeds, stats)
+        model = length_model([int(x) for x in raw_lengths], rate or 0.0, 1.0 if rate else 0.0,
                              censored_progress(buckets, sec + usec / 1e6, rate),
                              int(stats.get("cap", 0)) or None)
         if model is not None:
@@ -352,6 +355,26 @@ class Ledger:
                 "tokens": int(stats.get("tokens", 0)), "stats": stats,
                 "pending": pending, "in_flight": in_flight, "dead": dead, "closed": closed,
                 "waiting": parked}
+
+
+RATE_QUANTILE = 0.8
+
+
+def decode_rate(speeds: Sequence[str], stats: Mapping[str, str]) -> float | None:
+    """Tokens per second of one request now: a high quantile of the recent responses'
+    speeds. A server decodes faster as its batch drains, and a short response carries more
+    of the prefill: the fast end of recent responses is the nearest to the speed of the
+    requests in flight, and over-estimating their progress only reserves more."""
+    per_response = []
+    for pair in speeds:
+        tokens, seconds = (float(x) for x in pair.split())
+        if seconds > 0 and tokens > 0:
+            per_response.append(tokens / seconds)
+    if per_response:
+        per_response.sort()
+        return per_response[min(len(per_response) - 1, int(RATE_QUANTILE * len(per_response)))]
+    decoded, decode_s = float(stats.get("decoded", 0)), float(stats.get("decode_s", 0))
+    return decoded / decode_s if decode_s > 0 else None
 
 
 def censored_progress(buckets: Mapping[str, str], now: float, rate: float | None

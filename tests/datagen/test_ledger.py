@@ -246,9 +246,13 @@ def test_a_refused_sample_is_parked_and_woken_by_a_commit(ledger: Ledger) -> Non
     assert ledger.admit("A", "s3", "r3", "w", 5, 400).status == "wait"
     assert ledger.parked("A") == {"s2", "s3"}
     assert ledger.snapshot("A")["waiting"] == 2
-    # Then: a commit frees a slot and wakes them, oldest first, for the worker to enqueue
+    # Then: a commit frees room for one more at its cap: the oldest parked is woken, for the
+    # worker to enqueue
     result = ledger.commit("A", "s0", "r0", 5, 100, False, 1.0)
-    assert result.woken == ['{"n": 2}', '{"n": 3}']
+    assert result.woken == ['{"n": 2}']
+    assert ledger.parked("A") == {"s3"}
+    # ... and a release frees room for the other
+    assert ledger.release("A", "s1", "r1") == ['{"n": 3}']
     assert ledger.parked("A") == set()
 
 

@@ -45,3 +45,72 @@ local function wake(parked, pending, n)
   end
   return out
 end
+
+-- Admission's view of a dataset's requests in flight: E[what they will count] and its
+-- variance, from the (start, cap) buckets and the length model (t/m/v table, see
+-- admission.py). Until the model exists each request counts at its cap.
+--   est = {expected, var, count, mean, model}
+local function locate(t, p)
+  local lo, hi = 1, #t
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if t[mid] <= p then lo = mid else hi = mid end
+  end
+  return lo, hi
+end
+
+local function expected_final(model, p, cap)
+  if not model then return cap, 0 end
+  local t, m, v = model['t'], model['m'], model['v']
+  if p < t[1] then return math.max(m[1], p), v[1] end
+  if p >= t[#t] then return p + model['tail'], v[#t] end
+  local lo, hi = locate(t, p)
+  -- E[L | L > t] grows with t: interpolate rather than take the lower threshold's value.
+  local w = (p - t[lo]) / math.max(1, t[hi] - t[lo])
+  return math.max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
+end
+
+local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mean, total,
+                                  precise)
+  local raw = redis.call('GET', model_key)
+  local model = nil
+  if raw then model = cjson.decode(raw) end
+  local rate, mean = prior_rate, prior_mean
+  if model then rate, mean = model['rate'], model['mean'] end
+  local expected, var, count = 0, 0, 0
+  local flat = redis.call('HGETALL', buckets)
+  for i = 1, #flat, 2 do
+    local field = flat[i]
+    if field ~= '_prompt' then
+      local n = tonumber(flat[i + 1])
+      local colon = string.find(field, ':', 1, true)
+      local start = tonumber(string.sub(field, 1, colon - 1))
+      local cap = tonumber(string.sub(field, colon + 1))
+      count = count + n
+      if precise and n > 0 then
+        -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
+        local p = math.min(math.max(0, now - start) * rate, cap)
+        local final, v = expected_final(model, p, cap)
+        expected = expected + n * math.min(final, cap)
+        var = var + n * v
+      end
+    elseif total then
+      expected = expected + tonumber(flat[i + 1])
+    end
+  end
+  return {expected = expected, var = var, count = count, mean = mean, rate = rate,
+          model = model}
+end
+
+-- How many more requests fit now: room / E[one more] (the largest cap seen, until the
+-- model exists), at most `most`; one when nothing is in flight (admission admits then).
+local function fits(est, committed, budget, margin_sd, most, cap_seen)
+  if est.count == 0 then return math.min(1, most) end
+  local one = est.mean
+  if not est.model then one = cap_seen end
+  local var = est.var
+  if est.model and est.model['var'] then var = var + est.model['var'] end
+  local room = budget - committed - est.expected - margin_sd * math.sqrt(var)
+  if room <= 0 then return 0 end
+  return math.max(0, math.min(most, math.floor(room / math.max(1, one))))
+end

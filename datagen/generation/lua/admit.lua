@@ -45,65 +45,18 @@ if committed >= budget then
 end
 
 local total = ARGV[8] == 'total'
-local prior = tonumber(ARGV[10])
 local cap_here = tonumber(ARGV[7])
-local raw_model = redis.call('GET', KEYS[7])
-local model = nil
-if raw_model then model = cjson.decode(raw_model) end
-
-local function locate(t, p)
-  local lo, hi = 1, #t
-  while hi - lo > 1 do
-    local mid = math.floor((lo + hi) / 2)
-    if t[mid] <= p then lo = mid else hi = mid end
-  end
-  return lo, hi
-end
-
--- E[L | L > p] and Var[L | L > p] from the model's table; until the model exists, the
--- request's cap and no variance: slow to start, never an overshoot.
-local function expected_final(p, cap)
-  if not model then return cap, 0 end
-  local t, m, v = model['t'], model['m'], model['v']
-  if p < t[1] then return math.max(m[1], p), v[1] end
-  if p >= t[#t] then return p + model['tail'], v[#t] end
-  local lo, hi = locate(t, p)
-  -- E[L | L > t] grows with t: interpolate rather than take the lower threshold's value.
-  local w = (p - t[lo]) / math.max(1, t[hi] - t[lo])
-  return math.max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
-end
-
-local rate, mean = prior, tonumber(ARGV[14])
-if model then rate, mean = model['rate'], model['mean'] end
-
-local expected, var, count = 0, 0, 0
-local flat = redis.call('HGETALL', KEYS[8])
-for i = 1, #flat, 2 do
-  local field = flat[i]
-  if field ~= '_prompt' then
-    local n = tonumber(flat[i + 1])
-    local colon = string.find(field, ':', 1, true)
-    local start = tonumber(string.sub(field, 1, colon - 1))
-    local cap = tonumber(string.sub(field, colon + 1))
-    count = count + n
-    if ARGV[9] == '1' and n > 0 then
-      -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
-      local p = math.min(math.max(0, now - start) * rate, cap)
-      local final, v = expected_final(p, cap)
-      expected = expected + n * math.min(final, cap)
-      var = var + n * v
-    end
-  elseif total then
-    expected = expected + tonumber(flat[i + 1])
-  end
-end
-local this_one = mean
+local est = in_flight_estimate(KEYS[8], KEYS[7], now, tonumber(ARGV[10]), tonumber(ARGV[14]),
+                               total, ARGV[9] == '1')
+local rate, model, expected = est.rate, est.model, est.expected
+local this_one = est.mean
 if not model then this_one = cap_here end
+local var = est.var
 if model and model['var'] then var = var + model['var'] end
 local margin = (tonumber(ARGV[11]) or 0) * math.sqrt(var)
 if total then this_one = this_one + tonumber(ARGV[6]) end
 
-if ARGV[9] == '1' and count > 0 and committed + expected + this_one + margin > budget then
+if ARGV[9] == '1' and est.count > 0 and committed + expected + this_one + margin > budget then
   redis.call('ZADD', KEYS[10], 'NX', now, sample)
   return {'wait', committed, math.floor(expected), 0}
 end

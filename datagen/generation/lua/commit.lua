@@ -10,8 +10,11 @@
 -- ARGV[1] dataset  ARGV[2] sample id  ARGV[3] rid  ARGV[4] counted tokens
 -- ARGV[5] prompt tokens  ARGV[6] completion tokens  ARGV[7] truncated (0/1)
 -- ARGV[8] default budget  ARGV[9] max samples (0 = none)  ARGV[10] lengths kept
--- ARGV[11] e2e latency in seconds  ARGV[12] server label  ARGV[13] parked samples to wake
--- ARGV[14] model refresh interval (ms)
+-- ARGV[11] e2e latency in seconds  ARGV[12] server label  ARGV[13] most parked samples to wake
+-- ARGV[14] model refresh interval (ms)  ARGV[15] prior tokens per second of a request
+-- ARGV[16] prior mean response length  ARGV[17] measure  ARGV[18] margin in sd
+-- ARGV[19] precise admission (1) or naive (0)
+-- KEYS[19] model string
 -- Returns {status, committed tokens after, closed now 0/1, refresh the model 0/1,
 --          payload to enqueue, ...}; status "ok" | "duplicate" | "lost" (no run marker:
 --          hold the commit, the record is safe on disk, until the ledger is rebuilt)
@@ -20,10 +23,19 @@ local counted = tonumber(ARGV[4])
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'lost', 0, 0, 0} end
 
 release_own(KEYS[4], KEYS[11], KEYS[12], sample, rid)
+-- Wake as many parked samples as fit in the budget now (admission decides again when
+-- they run): a woken sample that is refused again costs a task run for nothing.
 local function woken(head)
-  if redis.call('EXISTS', KEYS[7]) == 0 then
-    for _, p in ipairs(wake(KEYS[13], KEYS[5], tonumber(ARGV[13]))) do head[#head + 1] = p end
+  if redis.call('EXISTS', KEYS[7]) == 1 or redis.call('ZCARD', KEYS[13]) == 0 then
+    return head
   end
+  local est = in_flight_estimate(KEYS[11], KEYS[19], redis_now(), tonumber(ARGV[15]),
+                                 tonumber(ARGV[16]), ARGV[17] == 'total', ARGV[19] == '1')
+  local committed = tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0')
+  local budget = tonumber(redis.call('HGET', KEYS[8], ARGV[1]) or ARGV[8])
+  local n = fits(est, committed, budget, tonumber(ARGV[18]), tonumber(ARGV[13]),
+                 tonumber(redis.call('HGET', KEYS[3], 'cap') or '0'))
+  for _, p in ipairs(wake(KEYS[13], KEYS[5], n)) do head[#head + 1] = p end
   return head
 end
 
