@@ -11,6 +11,7 @@ from typing import Any
 
 from cli.extraction import cmd_calibrate, cmd_estimate, cmd_extract, cmd_prepare
 from config.settings import Settings, settings_fields
+from datagen import dead as dead_mod
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
 from datagen.generation.guard import close, enqueue
@@ -79,6 +80,25 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dead(settings: Settings, args: argparse.Namespace) -> int:
+    from cli.main import print_json  # noqa: PLC0415
+
+    table = dead_mod.read(_ledger(settings), [args.dataset] if args.dataset else [])
+    if args.json:
+        print_json(dead_mod.as_json(table))
+    else:
+        print(dead_mod.render(table))
+    return 0
+
+
+def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
+    """The end-of-run table, and why samples died when any did."""
+    print(status_mod.render(table))
+    reasons = dead_mod.summary(dead_mod.read(ledger, [r.dataset for r in table]))
+    if reasons:
+        print(reasons)
+
+
 def follow(ledger: Ledger, interval: float, until_finished: bool = True,
            app: Any = None, timeout_s: float | None = None) -> list[status_mod.Row]:
     """Redraw the status table until every dataset is finished (or forever)."""
@@ -123,7 +143,7 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     code = cmd_produce(settings, args)
     ledger = _ledger(settings)
     table = follow(ledger, args.interval, app=make_app(settings))
-    print(status_mod.render(table))
+    print_summary(ledger, table)
     _merge_all(settings, ledger)
     return code
 
