@@ -15,6 +15,7 @@ import redis
 
 from cli.extraction import cmd_calibrate, cmd_estimate, cmd_extract, cmd_prepare
 from config.settings import Settings, settings_fields
+from datagen import dead as dead_mod
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
 from datagen.errors import LedgerUnavailable
@@ -82,6 +83,25 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     follow(ledger, args.interval, until_finished=False)
     return 0
+
+
+def cmd_dead(settings: Settings, args: argparse.Namespace) -> int:
+    from cli.main import print_json  # noqa: PLC0415
+
+    table = dead_mod.read(_ledger(settings), [args.dataset] if args.dataset else [])
+    if args.json:
+        print_json(dead_mod.as_json(table))
+    else:
+        print(dead_mod.render(table))
+    return 0
+
+
+def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
+    """The end-of-run table, and why samples died when any did."""
+    print(status_mod.render(table))
+    reasons = dead_mod.summary(dead_mod.read(ledger, [r.dataset for r in table]))
+    if reasons:
+        print(reasons)
 
 
 def follow(ledger: Ledger, interval: float, until_finished: bool = True,
@@ -159,7 +179,7 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     ledger = _ledger(settings)
     table = follow(ledger, args.interval, app=make_app(settings),
                    on_lost=lambda: cmd_produce(settings, args))
-    print(status_mod.render(table))
+    print_summary(ledger, table)
     _merge_all(settings, ledger)
     return code
 

@@ -17,11 +17,10 @@ import shutil
 import time
 from pathlib import Path
 
-from cli.commands import _merge_all, follow, render_produce
+from cli.commands import _merge_all, follow, print_summary, render_produce
 from cli.extraction import cmd_extract, committed_maps, decoder
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
-from datagen import status as status_mod
 from datagen.celery_app import make_app
 from datagen.generation.ledger import Ledger
 from datagen.redis_server import RedisServer
@@ -85,7 +84,7 @@ def _produce_and_follow(started: float) -> int:
     print(render_produce(reports), flush=True)
     table = follow(ledger, 1.0, app=app, timeout_s=240)
     print("\nsummary")
-    print(status_mod.render(table))
+    print_summary(ledger, table)
     _merge_all(settings, ledger)
     closed = [r.dataset for r in table if r.state.startswith("closed")]
     print(f"\ngeneration finished in {time.monotonic() - started:.0f}s; closed by budget: "

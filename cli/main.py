@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         "produce": "tokenize the datasets and enqueue every sample not done yet",
         "run": "produce, then follow progress until every dataset is done or closed",
         "status": "where every dataset stands (budget, tokens, samples, state)",
+        "dead": "the samples given up on, per dataset, grouped by reason",
         "merge": "merge the workers' records into raw_responses.jsonl per dataset",
         "budget": "show or change a dataset's budget while the run goes on",
         "recover": "rebuild the ledger from the records on disk and re-enqueue what is missing",
@@ -89,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     parsers["status"].add_argument("--json", action="store_true")
     parsers["status"].add_argument("--interval", type=float, default=2.0)
     parsers["run"].add_argument("--interval", type=float, default=2.0)
+    parsers["dead"].add_argument("dataset", nargs="?", help="one dataset (default: all)")
+    parsers["dead"].add_argument("--json", action="store_true")
     parsers["merge"].add_argument("--include-uncommitted", action="store_true")
     parsers["budget"].add_argument("dataset", nargs="?")
     parsers["budget"].add_argument("tokens", nargs="?", type=int)

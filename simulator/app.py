@@ -34,4 +34,5 @@ class App:
 
     def reset_observations(self) -> None:
         self.journal.clear()
-        self.stats.reset(self.engine.load()[0])
+        running, waiting = self.engine.load()
+        self.stats.reset(running, running + waiting)

@@ -126,6 +126,7 @@ class Engine:
                 self._stats.add("requests_started")
                 self._stats.add("prompt_tokens", req.prompt_tokens)
                 self._journal.record("start", req.rid, req.dataset, prompt_tokens=req.prompt_tokens)
+            self._stats.saw_in_flight(len(self._in_flight))
             self._admit(time.monotonic())
             self._cond.notify_all()
 

@@ -1,4 +1,9 @@
-"""Counters behind `GET /_sim/stats`; peaks let tests prove the capacity limit held."""
+"""Counters behind `GET /_sim/stats`; peaks let tests prove the capacity limit held.
+
+`peak_running` is the server's own batch cap at work; `peak_in_flight` counts every request
+received and not yet answered (running or waiting), so it shows how many requests the clients
+had open at once, whatever the server's cap.
+"""
 
 import threading
 
@@ -20,6 +25,7 @@ class Stats:
         self._connections = 0
         self._peak_connections = 0
         self._peak_running = 0
+        self._peak_in_flight = 0
 
     def add(self, name: str, amount: int = 1) -> None:
         with self._lock:
@@ -39,6 +45,12 @@ class Stats:
         with self._lock:
             self._peak_running = max(self._peak_running, running)
 
+    def saw_in_flight(self, in_flight: int) -> None:
+        # Called by the engine under its own lock when requests arrive. The engine drops a
+        # request before its answer is written, so a client's next request never overlaps it.
+        with self._lock:
+            self._peak_in_flight = max(self._peak_in_flight, in_flight)
+
     def snapshot(self, running: int, waiting: int) -> dict:
         with self._lock:
             return {
@@ -46,13 +58,15 @@ class Stats:
                 "running": running,
                 "waiting": waiting,
                 "peak_running": self._peak_running,
+                "peak_in_flight": self._peak_in_flight,
                 "connections": self._connections,
                 "peak_connections": self._peak_connections,
             }
 
-    def reset(self, running: int) -> None:
+    def reset(self, running: int, in_flight: int) -> None:
         # Peaks restart from what is live now, not from zero, so they stay true maxima.
         with self._lock:
             self._counts = dict.fromkeys(self.COUNTERS, 0)
             self._peak_running = running
+            self._peak_in_flight = in_flight
             self._peak_connections = self._connections

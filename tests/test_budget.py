@@ -18,6 +18,10 @@ from cli.stack import REPO
 from datagen.generation.records import iter_records, records_dir
 from producers.producer import Producer
 
+# The goal for how far past its budget a dataset may end (README, docs/BENCHMARKS.md).
+OVERSHOOT_GOAL = 0.005
+MEAN_RESPONSE_TOKENS = 300
+
 
 def partition(root: Path, sizes: dict[str, int]) -> Path:
     for name, n in sizes.items():
@@ -49,11 +53,18 @@ def records(settings: Any, dataset: str) -> list[dict[str, Any]]:
     return list(iter_records(records_dir(settings.output_dir, dataset)))
 
 
+def allowed_overshoot(budget: int, mean_response_tokens: float) -> float:
+    """The project's goal: past the budget by at most 0.5% of it or one mean response."""
+    return max(OVERSHOOT_GOAL * budget, mean_response_tokens)
+
+
 @pytest.mark.parametrize("sigma", [0.3, 1.0], ids=["short-tail", "long-tail"])
 def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
         stack: Stack, sigma: float) -> None:
-    # Given: four datasets closing at nearly the same time
-    stack.start_simulator("--mean-output-tokens", "300", "--sigma", str(sigma),
+    # Given: four datasets closing at nearly the same time; the simulator's lognormal
+    # lengths have MEAN_RESPONSE_TOKENS as their mean whatever the sigma
+    stack.start_simulator("--mean-output-tokens", str(MEAN_RESPONSE_TOKENS),
+                          "--sigma", str(sigma),
                           "--decode-step-s", "0.002", "--max-running-requests", "64")
     budgets = {"B1": 6000, "B2": 9000, "B3": 12000, "B4": 8000}
     settings = stack.configure(data_dir=str(partition(stack.tmp, dict.fromkeys(budgets, 200))),
@@ -65,12 +76,16 @@ def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
     # When: everything is produced and the workers run until every dataset closes
     ledger = produce_and_wait(stack, settings)
 
-    # Then: each dataset closed at its budget, overshooting by at most one response
+    # Then: each dataset closed at its budget, within the overshoot goal
+    overshoots = {name: ledger.snapshot(name)["tokens"] - budget
+                  for name, budget in budgets.items()}
+    print(f"FIGURE overshoot sigma={sigma}: {overshoots}")
     for name, budget in budgets.items():
         snap = ledger.snapshot(name)
         assert snap["closed"] == "budget", name
         assert snap["pending"] == 0, name  # its revoked work is not shown as queued
-        assert budget <= snap["tokens"] <= budget + settings.short_max_tokens, (name, snap)
+        assert 0 <= overshoots[name] <= allowed_overshoot(budget, MEAN_RESPONSE_TOKENS), \
+            (name, overshoots, snap)
         assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, name))
         # ... and no request of a closed dataset left a worker after the close.
         assert starts_after_close(stack, ledger, name) == []

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -109,29 +108,49 @@ def test_status_json_equals_the_ledger(stack: Stack) -> None:
     assert "closed at budget" in table.stdout and "total" in table.stdout
 
 
-def _timed_run(stack: Stack, settings: Any) -> float:
+def _run(stack: Stack, settings: Any) -> list[Any]:
     ledger = stack.ledger()
-    started = time.monotonic()
-    Producer(settings, stack.app(), ledger).run()
+    reports = Producer(settings, stack.app(), ledger).run()
     follow(ledger, 0.2, app=stack.app(), timeout_s=180)
-    return time.monotonic() - started
+    return reports
 
 
-def _peak_running(url: str) -> int:
-    return int(requests.get(f"{url}/_sim/stats", timeout=5).json()["peak_running"])
+def _serving_span(stack: Stack, urls: list[str], dataset: str) -> float:
+    """From the dataset's first request in to its last answer out, in the servers' own logs.
+
+    Producer start-up (tokenizer, Celery) and worker start-up stay outside the span, so a
+    slow machine lengthens both runs' spans alike instead of the shorter one most.
+    """
+    events = [e for url in urls for e in stack.sim_log(url) if e["dataset"] == dataset]
+    starts = [e["time"] for e in events if e["event"] == "start"]
+    ends = [e["time"] for e in events if e["event"] == "finish"]
+    assert len(starts) == len(ends) > 0, dataset
+    return max(ends) - min(starts)
+
+
+def _peak_in_flight(url: str) -> int:
+    """The most requests the workers had open at this server at once, running or queued."""
+    return int(requests.get(f"{url}/_sim/stats", timeout=5).json()["peak_in_flight"])
 
 
 def test_a_second_machine_adds_its_own_limits_and_finishes_sooner(stack: Stack) -> None:
-    # Given: one server with room for 4 requests, and a worker pair with the same limit
-    sim_args = ("--lengths", "fixed:150", "--decode-step-s", "0.01",
-                "--max-running-requests", "4")
+    # Given: one server with room for far more than the workers may send (so their limits,
+    # not the server's, bound what it sees), and a worker pair with its limits
+    sim_args = ("--lengths", "fixed:100", "--decode-step-s", "0.01", "--batch-slowdown", "0",
+                "--max-running-requests", "16")
     first = stack.start_simulator(*sim_args, name="sim-a")
     settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 32})),
                                short_concurrency=4, long_concurrency=1, short_max_tokens=200)
+    # Each pair sends only to its own server; every prompt here is short, so the long
+    # worker sends nothing and the short worker's threads are the whole limit.
+    limit = settings.short_concurrency
     stack.worker("short", name="a-short@%h")
     stack.worker("long", name="a-long@%h")
     stack.wait_workers(2)
-    alone = _timed_run(stack, settings)
+    reports = _run(stack, settings)
+    assert [(r.short, r.long) for r in reports] == [(32, 0)]
+    alone = _serving_span(stack, [first], "B1")
+    assert _peak_in_flight(first) <= limit
 
     # When: a second machine joins: its own server and worker pair, same Redis and output
     second = stack.start_simulator(*sim_args, name="sim-b")
@@ -140,10 +159,16 @@ def test_a_second_machine_adds_its_own_limits_and_finishes_sooner(stack: Stack) 
     stack.wait_workers(4)
     settings2 = stack.configure(data_dir=str(partition(stack.tmp / "second", {"B2": 32})),
                                 short_concurrency=4, long_concurrency=1, short_max_tokens=200)
-    together = _timed_run(stack, settings2)
+    reports = _run(stack, settings2)
+    assert [(r.short, r.long) for r in reports] == [(32, 0)]
+    together = _serving_span(stack, [first, second], "B2")
 
-    # Then: each server saw at most its own limit, and the run finished much sooner
-    assert _peak_running(first) <= 4 and _peak_running(second) <= 4
+    # Then: each server saw at most its own pair's limit at once, both served B2, and the
+    # run took much less time
+    peaks = (_peak_in_flight(first), _peak_in_flight(second))
+    print(f"FIGURE second machine: peaks {peaks} limit {limit} alone {alone:.1f}s "
+          f"together {together:.1f}s")
+    assert max(peaks) <= limit, peaks
     b2_servers = {e["rid"]: url for url in (first, second) for e in stack.sim_log(url)
                   if e["event"] == "finish" and e["dataset"] == "B2"}
     assert set(b2_servers.values()) == {first, second}

@@ -13,27 +13,48 @@ from cli.commands import follow
 from datagen.generation.merge import merge_dataset
 from datagen.generation.records import iter_records, records_dir
 from producers.producer import Producer
+from simulator.config import SimulatorConfig
+from simulator.lengths import plan_output
+
+MEAN_OUTPUT_TOKENS = 40
 
 
-def make_partition(root: Path) -> Path:
-    """Three datasets in three record shapes; B3 has a prompt that goes to the long queue."""
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def make_partition(root: Path) -> tuple[Path, dict[str, list[list[dict[str, str]]]]]:
+    """Three datasets in three record shapes; B3 has a prompt that goes to the long queue.
+
+    Also returns each dataset's chat messages as the producer must read them (the ShareGPT
+    answer dropped), to check the records against.
+    """
     part = root / "partition"
-    write_jsonl(part / "B1_chat" / "a.jsonl", [
-        {"id": f"chat-{i}", "messages": [{"role": "user", "content": f"Say hello number {i}"}]}
-        for i in range(12)])
+    chat = [user(f"Say hello number {i}") for i in range(12)]
+    write_jsonl(part / "B1_chat" / "a.jsonl",
+                [{"id": f"chat-{i}", "messages": m} for i, m in enumerate(chat)])
+    share = [f"What is {i} plus {i}?" for i in range(10)]
     write_jsonl(part / "B2_share.jsonl", [
-        {"conversations": [{"from": "human", "value": f"What is {i} plus {i}?"},
+        {"conversations": [{"from": "human", "value": q},
                            {"from": "gpt", "value": "old answer to regenerate"}]}
-        for i in range(10)])
+        for q in share])
     long_text = " ".join(f"word{i}" for i in range(700))
-    write_jsonl(part / "B3_plain" / "p.jsonl",
-                [{"prompt": f"Summarise item {i}"} for i in range(7)]
-                + [{"prompt": long_text}])
-    return part
+    plain = [f"Summarise item {i}" for i in range(7)] + [long_text]
+    write_jsonl(part / "B3_plain" / "p.jsonl", [{"prompt": text} for text in plain])
+    return part, {"B1_chat": chat, "B2_share": [user(q) for q in share],
+                  "B3_plain": [user(text) for text in plain]}
 
 
 def output_sha(ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(ids, separators=(",", ":")).encode()).hexdigest()
+
+
+def expected_output(stack: Stack, settings: Any, rec: dict[str, Any]) -> list[int]:
+    """The ids the simulator generates for this record's prompt and max_new_tokens."""
+    config = SimulatorConfig(mean_output_tokens=MEAN_OUTPUT_TOKENS,
+                             vocab_size=stack.encoder.vocab_size,
+                             eos_token_id=stack.encoder.eos_token_id)
+    return plan_output(config, rec["prompt_ids"], settings.queue_limits(rec["queue"])[1]).ids
 
 
 def run_to_end(stack: Stack, settings: Any, timeout_s: float = 120) -> Any:
@@ -46,9 +67,10 @@ def run_to_end(stack: Stack, settings: Any, timeout_s: float = 120) -> Any:
 
 def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stack) -> None:
     # Given: a simulator, a short and a long worker, a 3-dataset partition
-    stack.start_simulator("--mean-output-tokens", "40", "--decode-step-s", "0.002",
-                          "--max-running-requests", "16")
-    settings = stack.configure(data_dir=str(make_partition(stack.tmp)),
+    stack.start_simulator("--mean-output-tokens", str(MEAN_OUTPUT_TOKENS),
+                          "--decode-step-s", "0.002", "--max-running-requests", "16")
+    part, prompts = make_partition(stack.tmp)
+    settings = stack.configure(data_dir=str(part),
                                long_threshold_tokens=400, short_concurrency=8,
                                long_concurrency=2, short_max_tokens=128, long_max_tokens=256)
     stack.worker("short")
@@ -58,8 +80,8 @@ def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stac
     # When: the producer runs and the workers drain the queues
     reports, ledger = run_to_end(stack, settings)
 
-    # Then: every sample is stored once, its output equals what the simulator sent,
-    # and each counter equals the sum of its records' tokens
+    # Then: every sample is stored once with the whole chat-templated prompt, its output
+    # equals what the simulator sent, and each counter equals the sum of its records' tokens
     by_name = {r.dataset: r for r in reports}
     assert {n: r.enqueued for n, r in by_name.items()} == {"B1_chat": 12, "B2_share": 10,
                                                           "B3_plain": 8}
@@ -69,11 +91,21 @@ def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stac
         records = [r for r in iter_records(records_dir(settings.output_dir, name))]
         assert len(records) == expected
         assert len({r["id"] for r in records}) == expected
+        assert sorted(map(json.dumps, (r["messages"] for r in records))) == \
+            sorted(map(json.dumps, prompts[name]))
         for rec in records:
             assert rec["rid"] in sent, "a record whose request the simulator never finished"
-            assert output_sha(rec["output_ids"]) == sent[rec["rid"]]["output_sha"]
-            assert sent[rec["rid"]]["dataset"] == name
-            assert rec["prompt_ids"][:1] == stack.encoder.encode(rec["messages"])[:1]
+            answer = sent[rec["rid"]]
+            assert answer["dataset"] == name
+            # Every prompt token, not only the first, is the tokenizer's chat template.
+            assert rec["prompt_ids"] == stack.encoder.encode(rec["messages"])
+            # The simulator's output is a digest of the prompt ids it received, so the same
+            # output from the recorded prompt proves the server got exactly these ids.
+            assert rec["output_ids"] == expected_output(stack, settings, rec)
+            assert output_sha(rec["output_ids"]) == answer["output_sha"]
+            assert rec["completion_tokens"] == len(rec["output_ids"]) \
+                == answer["completion_tokens"]
+            assert rec["prompt_tokens"] == len(rec["prompt_ids"]) == answer["prompt_tokens"]
         snap = ledger.snapshot(name)
         assert snap["tokens"] == sum(r["completion_tokens"] for r in records)
         assert snap["stats"]["samples"] == expected

@@ -98,3 +98,24 @@ def test_four_hundred_concurrent_requests_are_held_and_answered():
     assert (counters["running"], counters["waiting"]) == (32, clients - 32)
     assert counters["peak_connections"] >= clients and counters["peak_running"] == 32
     assert codes == [200] * clients
+
+
+def test_peak_in_flight_counts_every_open_request_not_only_the_batch():
+    # Given a batch of 2 and answers long enough that none ends before all 6 have arrived,
+    with running_sim(max_running_requests=2, lengths="fixed:5000", time_scale=0.05) as url:
+        calls = [in_background(generate, url, [i + 1]) for i in range(6)]
+        # When 6 clients have a request open at once,
+        wait_until(lambda: stats(url)["requests_started"] == 6)
+        counters = stats(url)
+        requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
+        for thread, _ in calls:
+            thread.join(10)
+        # ... and then one client sends requests one after the other, each on a new connection,
+        requests.post(f"{url}/_sim/reset", timeout=TIMEOUT)
+        for i in range(5):
+            assert generate(url, [100 + i], sampling_params={"max_new_tokens": 4}).ok
+        sequential = stats(url)
+    # Then the 4 waiting requests count as open, and a finished request never overlaps the
+    # same client's next one (the server drops it before answering).
+    assert (counters["peak_in_flight"], counters["peak_running"]) == (6, 2)
+    assert sequential["peak_in_flight"] == 1 and sequential["requests_finished"] == 5
