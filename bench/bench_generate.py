@@ -53,11 +53,11 @@ import psutil  # noqa: E402
 import redis  # noqa: E402
 import requests  # noqa: E402
 
-from cli.commands import follow  # noqa: E402
 from cli.stack import Process, child_env, start_simulator, start_worker, wait_for_workers  # noqa: E402,I001
 from config.settings import Settings, load_settings  # noqa: E402
 from datagen import keys  # noqa: E402
 from datagen.celery_app import make_app  # noqa: E402
+from datagen.generation.follower import follow  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402

@@ -7,26 +7,21 @@ import json
 import os
 import secrets
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
-
-import redis
 
 from cli.extraction import cmd_calibrate, cmd_estimate, cmd_extract, cmd_prepare
 from config.settings import Settings, settings_fields
 from datagen import dead as dead_mod
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
-from datagen.errors import LedgerUnavailable
-from datagen.generation.guard import close, enqueue, on_closed
+from datagen.generation.follower import follow
+from datagen.generation.guard import close, enqueue
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
 from datagen.generation.merge import datasets_on_disk, merge_dataset
 
 EXIT_BAD_INPUT = 3
-STALL_SWEEP_S = 3.0
 # The extraction phase's subcommands live in cli/extraction.py; main dispatches through here.
 __all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_prepare"]
 
@@ -102,76 +97,6 @@ def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
     reasons = dead_mod.summary(dead_mod.read(ledger, [r.dataset for r in table]))
     if reasons:
         print(reasons)
-
-
-def follow(ledger: Ledger, interval: float, until_finished: bool = True,
-           app: Any = None, timeout_s: float | None = None,
-           on_lost: Callable[[], object] | None = None) -> list[status_mod.Row]:
-    """Redraw the status table until every dataset is finished (or forever).
-
-    Redis outages are waited out; a ledger that lost its state (no run marker) is never
-    finished: ``on_lost`` rebuilds it (``datagen run``), else the table says so.
-    """
-    live = sys.stdout.isatty()
-    started = time.monotonic()
-    last_line = 0.0
-    drawn = 0  # lines of the table drawn last time, redrawn in place (what is above stays)
-    stalled_since: float | None = None
-    while True:
-        if timeout_s is not None and time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"run not finished after {timeout_s:.0f}s")
-        try:
-            table, lost = status_mod.rows(ledger), ledger.run_marker() is None
-        except (LedgerUnavailable, redis.exceptions.ConnectionError) as exc:
-            print(time.strftime("%H:%M:%S ") + f"Redis unreachable, waiting: {exc}", flush=True)
-            time.sleep(max(interval, 1.0))
-            continue
-        if lost:
-            print(time.strftime("%H:%M:%S ") + "the ledger lost its state (no run marker)"
-                  + ("; rebuilding it from the records" if on_lost else
-                     "; `datagen recover` rebuilds it from the records"), flush=True)
-            if on_lost is not None:
-                on_lost()
-            time.sleep(interval)
-            continue
-        if live:
-            text = status_mod.render(table, bars=True)
-            up = f"\x1b[{drawn}F\x1b[J" if drawn else ""
-            print(up + text, flush=True)
-            drawn = text.count("\n") + 1
-        elif time.monotonic() - last_line >= max(interval, 10.0):
-            last_line = time.monotonic()
-            print(progress_line(table), flush=True)
-        if app is not None:
-            _finish_closes(app, ledger, table)
-        if until_finished and status_mod.finished(table):
-            return table
-        # Samples pending while nothing runs and the queues are empty: their messages
-        # were lost (a worker killed right after taking one), or they wait for a wake
-        # nothing will send. Give them back.
-        if app is not None and status_mod.stalled(table):
-            stalled_since = stalled_since or time.monotonic()
-            if time.monotonic() - stalled_since > STALL_SWEEP_S:
-                sweep(ledger, lambda job: enqueue(app, job, retry=True))
-                stalled_since = None
-        else:
-            stalled_since = None
-        time.sleep(interval)
-
-
-def _finish_closes(app: Any, ledger: Ledger, table: list[status_mod.Row]) -> None:
-    """A closed dataset still holding pending work: whoever closed it died before the
-    close's actions (revoke, drop pending, aborts) ran. Run them."""
-    for row in table:
-        reason = ledger.closed(row.dataset) if row.state.startswith("closed") else None
-        if reason and row.queued:
-            on_closed(app, ledger, row.dataset, reason, ledger.settings.abort_on_close)
-
-
-def progress_line(table: list[status_mod.Row]) -> str:
-    parts = [f"{r.dataset} {r.tokens:,}/{r.budget:,} ({r.percent:.0f}%, {r.state})"
-             for r in table]
-    return time.strftime("%H:%M:%S ") + "; ".join(parts)
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:

@@ -17,11 +17,12 @@ import shutil
 import time
 from pathlib import Path
 
-from cli.commands import _merge_all, follow, print_summary, render_produce
+from cli.commands import _merge_all, print_summary, render_produce
 from cli.extraction import cmd_extract, committed_maps, decoder
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
 from datagen.celery_app import make_app
+from datagen.generation.follower import follow
 from datagen.generation.ledger import Ledger
 from datagen.redis_server import RedisServer
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer

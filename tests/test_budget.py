@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from conftest import Stack, wait_until, write_jsonl
 
-from cli.commands import follow
 from cli.stack import REPO
+from datagen.generation.follower import follow
 from datagen.generation.records import iter_records, records_dir
 from producers.producer import Producer
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ import pytest
 import requests
 from conftest import Stack, wait_until, write_jsonl
 
-from cli.commands import follow
 from cli.stack import REPO, Process, child_env
 from datagen import keys
+from datagen.generation.follower import follow
 from datagen.generation.merge import merge_dataset
 from datagen.generation.records import Problem, RecordWriter, iter_records
 from datagen.redis_server import free_port
@@ -173,18 +174,31 @@ def test_a_redis_outage_of_two_leases_does_not_take_live_requests_for_dead(
     ledger = start(stack, settings)
     wait_until(lambda: len(ledger.in_flight("B1")) == 4, 30, what="4 requests in flight")
 
-    # When: Redis is away for two leases while they run
+    # When: Redis is away for two leases while they run, and the follower is following
+    followed: dict[str, Any] = {}
+    follower = threading.Thread(target=_follow_into, args=(followed, stack.ledger(),
+                                                           stack.app()), daemon=True)
+    follower.start()
     redis_server.stop()
     time.sleep(2 * settings.lease_s)
     redis_server.start()
-    follow(stack.ledger(), 0.3, app=stack.app(), timeout_s=180)
+    follower.join(timeout=200)
 
-    # Then: no live request was reclaimed or run twice, and the run finished exactly
+    # Then: the follower waited the outage out and saw the run finish; no live request was
+    # reclaimed or run twice, and the run finished exactly
+    assert "error" not in followed and followed.get("finished"), followed
     ledger = stack.ledger()
     assert ledger.snapshot("B1")["stats"].get("reaped", 0) == 0
     starts = [e for e in stack.sim_log() if e["event"] == "start"]
     assert len(starts) == 8
     assert_exact_accounting(stack, settings, "B1", 8)
+
+
+def _follow_into(out: dict[str, Any], ledger: Any, app: Any) -> None:
+    try:
+        out["finished"] = bool(follow(ledger, 0.3, app=app, timeout_s=180))
+    except Exception as exc:  # reported by the test's assertion
+        out["error"] = repr(exc)
 
 
 def test_a_torn_record_file_is_ended_before_the_next_record(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ from typing import Any
 import requests
 from conftest import Stack, write_jsonl
 
-from cli.commands import follow
 from cli.stack import REPO
 from datagen import dead
+from datagen.generation.follower import follow
 from datagen.metrics import render_metrics
 from producers.producer import Producer
 

@@ -12,8 +12,8 @@ from typing import Any
 import requests
 from conftest import Stack, wait_until, write_jsonl
 
-from cli.commands import follow
 from cli.stack import REPO, Process
+from datagen.generation.follower import follow
 from datagen.redis_server import free_port
 from producers.producer import Producer
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from conftest import Stack, write_jsonl
 
-from cli.commands import follow
+from datagen.generation.follower import follow
 from datagen.generation.merge import merge_dataset
 from datagen.generation.records import iter_records, records_dir
 from producers.producer import Producer

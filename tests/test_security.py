@@ -9,9 +9,9 @@ from pathlib import Path
 
 from conftest import Stack, write_jsonl
 
-from cli.commands import follow
 from cli.stack import REPO
 from config.settings import Settings, masked_url
+from datagen.generation.follower import follow
 from datagen.redis_server import RedisServer
 from producers.producer import Producer
 

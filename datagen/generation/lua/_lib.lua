@@ -114,3 +114,22 @@ local function fits(est, committed, budget, margin_sd, most, cap_seen)
   if room <= 0 then return 0 end
   return math.max(0, math.min(most, math.floor(room / math.max(1, one))))
 end
+
+-- After a commit or release: wake as many parked samples as fit in the budget now
+-- (admission decides again when they run; a woken sample refused again costs a task run
+-- for nothing), appending their payloads to out.
+--   k = {closed, parked, pending, buckets, model, stats, budgets}
+--   a = {dataset, default budget, prior rate, prior mean, total?, margin sd, precise?, most}
+local function wake_into_room(k, a, out)
+  if redis.call('EXISTS', k.closed) == 1 or redis.call('ZCARD', k.parked) == 0 then
+    return out
+  end
+  local est = in_flight_estimate(k.buckets, k.model, redis_now(), a.rate, a.mean, a.total,
+                                 a.precise)
+  local committed = tonumber(redis.call('HGET', k.stats, 'tokens') or '0')
+  local budget = tonumber(redis.call('HGET', k.budgets, a.dataset) or a.budget)
+  local cap_seen = tonumber(redis.call('HGET', k.stats, 'cap') or '0')
+  local n = fits(est, committed, budget, a.margin, a.most, cap_seen)
+  for _, p in ipairs(wake(k.parked, k.pending, n)) do out[#out + 1] = p end
+  return out
+end

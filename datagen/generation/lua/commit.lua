@@ -23,20 +23,13 @@ local counted = tonumber(ARGV[4])
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'lost', 0, 0, 0} end
 
 release_own(KEYS[4], KEYS[11], KEYS[12], sample, rid)
--- Wake as many parked samples as fit in the budget now (admission decides again when
--- they run): a woken sample that is refused again costs a task run for nothing.
 local function woken(head)
-  if redis.call('EXISTS', KEYS[7]) == 1 or redis.call('ZCARD', KEYS[13]) == 0 then
-    return head
-  end
-  local est = in_flight_estimate(KEYS[11], KEYS[19], redis_now(), tonumber(ARGV[15]),
-                                 tonumber(ARGV[16]), ARGV[17] == 'total', ARGV[19] == '1')
-  local committed = tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0')
-  local budget = tonumber(redis.call('HGET', KEYS[8], ARGV[1]) or ARGV[8])
-  local n = fits(est, committed, budget, tonumber(ARGV[18]), tonumber(ARGV[13]),
-                 tonumber(redis.call('HGET', KEYS[3], 'cap') or '0'))
-  for _, p in ipairs(wake(KEYS[13], KEYS[5], n)) do head[#head + 1] = p end
-  return head
+  return wake_into_room(
+    {closed = KEYS[7], parked = KEYS[13], pending = KEYS[5], buckets = KEYS[11],
+     model = KEYS[19], stats = KEYS[3], budgets = KEYS[8]},
+    {dataset = ARGV[1], budget = ARGV[8], rate = tonumber(ARGV[15]), mean = tonumber(ARGV[16]),
+     total = ARGV[17] == 'total', margin = tonumber(ARGV[18]), precise = ARGV[19] == '1',
+     most = tonumber(ARGV[13])}, head)
 end
 
 if redis.call('HEXISTS', KEYS[2], sample) == 1 then

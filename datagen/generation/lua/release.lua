@@ -9,14 +9,9 @@
 -- Returns {released 0/1, payload, payload, ...}
 local released = release_own(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[2])
 if not released then return {0} end
-local out = {1}
-if redis.call('EXISTS', KEYS[6]) == 0 and redis.call('ZCARD', KEYS[4]) > 0 then
-  local est = in_flight_estimate(KEYS[2], KEYS[9], redis_now(), tonumber(ARGV[6]),
-                                 tonumber(ARGV[7]), ARGV[8] == 'total', ARGV[10] == '1')
-  local committed = tonumber(redis.call('HGET', KEYS[7], 'tokens') or '0')
-  local budget = tonumber(redis.call('HGET', KEYS[8], ARGV[4]) or ARGV[5])
-  local n = fits(est, committed, budget, tonumber(ARGV[9]), tonumber(ARGV[3]),
-                 tonumber(redis.call('HGET', KEYS[7], 'cap') or '0'))
-  for _, p in ipairs(wake(KEYS[4], KEYS[5], n)) do out[#out + 1] = p end
-end
-return out
+return wake_into_room(
+  {closed = KEYS[6], parked = KEYS[4], pending = KEYS[5], buckets = KEYS[2], model = KEYS[9],
+   stats = KEYS[7], budgets = KEYS[8]},
+  {dataset = ARGV[4], budget = ARGV[5], rate = tonumber(ARGV[6]), mean = tonumber(ARGV[7]),
+   total = ARGV[8] == 'total', margin = tonumber(ARGV[9]), precise = ARGV[10] == '1',
+   most = tonumber(ARGV[3])}, {1})
