@@ -88,10 +88,14 @@ down: ## stop the Docker stack (records and Redis data stay on their volumes)
 bench: install ## CPU benchmarks: throughput, budget precision, extraction (bench/results/)
 	$(PY) bench/bench_generate.py
 	$(PY) bench/bench_budget.py
+	$(PY) bench/bench_budget.py --datasets 4 --budget 300000 --rounds 2 --out bench/results/budget_multi.json
 	$(PY) -m bench.bench_extract --tiny --out bench/results/extract_cpu_tiny.json
 
 bench-load: install ## enqueue 100,000 prompts of ~2K tokens: Redis memory, producer memory
 	$(PY) bench/bench_load.py
+
+bench-ledger: install ## Redis time per admit/commit at 0-10,000 in flight; traffic per sample
+	$(PY) bench/bench_ledger.py --system
 
 bench-memory: install ## merge and rebuild peak memory at 100,000 records (goal <= 500 MB)
 	$(PY) bench/bench_memory.py
@@ -100,5 +104,5 @@ clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-memory \
+	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-ledger bench-memory \
 	clean
