@@ -4,7 +4,7 @@ Runs datasets through a real short worker (150 threads) against the SGLang
 simulator (mean ~3.7K tokens, lognormal tail), with both admission rules side
 by side in one run, and reports per dataset: overshoot, discarded tokens,
 requests started after the close, the time between 95% of the budget and the
-close, Celery task runs per sample (from the worker's log), and Redis commands
+close, Celery task runs per prompt enqueued (from the worker's log), and Redis commands
 per second in the last 5% before the close against the steady state (20-80%).
 
     .venv/bin/python bench/bench_budget.py            # budget 2M, 150 workers, 3 rounds
@@ -131,10 +131,12 @@ def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Pat
                 _wait_closed_and_drained(ledger, dataset)
             timeline.stop.set()
             sim_log = requests.get(f"{url}/_sim/log", timeout=30).json()
+            # Celery task runs (each logs one "received"), per prompt enqueued: a sample
+            # refused admission parks once; only woken ones run again.
             runs = worker.log_text().count("] received")
-            samples = sum(ledger.snapshot(d)["stats"].get("samples", 0) for d in datasets)
             return {"rule": "precise" if precise else "naive", "datasets": len(datasets),
-                    "task_runs_per_sample": runs / max(1, samples),
+                    "task_runs": runs, "prompts": args.prompts * len(datasets),
+                    "task_runs_per_sample": runs / (args.prompts * len(datasets)),
                     "per_dataset": [_measure(args, ledger, timeline, sim_log, started, d)
                                     for d in datasets]}
         finally:
@@ -229,7 +231,7 @@ def _row(result: dict[str, Any]) -> str:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("\n| " + " | ".join(COLUMNS) + " | task runs per sample |")
+    print("\n| " + " | ".join(COLUMNS) + " | task runs per prompt |")
     print("|" + "---|" * (len(COLUMNS) + 1))
     for r in results:
         for line in _rows(r):

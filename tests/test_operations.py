@@ -78,6 +78,15 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
     wait_until(lambda: revoked() > 0, 30, what="revoked tasks in Flower")
     assert ledger.snapshot("B1")["stats"]["revoked"] > 0
 
+    # ... and tasks refused admission (parked until a commit woke them) show as waiting:
+    # with 300 tokens of budget and a cap of 200, a second request of B1 never fits beside
+    # a first one until the model knows its lengths
+    def waiting() -> int:
+        tasks = requests.get(f"{url}/api/tasks", params={"state": "WAITING"}, auth=auth,
+                             timeout=20).json()
+        return len(tasks)
+    wait_until(lambda: waiting() > 0, 30, what="waiting tasks in Flower")
+
 
 def test_status_json_equals_the_ledger(stack: Stack) -> None:
     stack.start_simulator("--lengths", "fixed:50", "--decode-step-s", "0.002")

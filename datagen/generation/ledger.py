@@ -175,9 +175,7 @@ class Ledger:
                                             keys.STATS)] + [
             keys.BUDGETS, self.k(dataset, keys.MODEL)]
         args = [sample, rid, WAKE_MAX, dataset, self.settings.budget_for(dataset)]
-        released, *woken = self._run("release", ks, args + self._wake_args()[:2] + [
-            self.settings.budget_counts, self.settings.admission_margin_sd,
-            int(self.settings.precise_admission)])
+        released, *woken = self._run("release", ks, args + self._wake_args())
         return list(woken) if released else []
 
     def _wake_args(self) -> list[Any]:

@@ -49,7 +49,7 @@ end
 -- Admission's view of a dataset's requests in flight: E[what they will count] and its
 -- variance, from the (start, cap) buckets and the length model (t/m/v table, see
 -- admission.py). Until the model exists each request counts at its cap.
---   est = {expected, var, count, mean, model}
+--   est = {expected, var, count, mean, rate, model}; var includes the next request's own.
 local function locate(t, p)
   local lo, hi = 1, #t
   while hi - lo > 1 do
@@ -98,6 +98,7 @@ local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mea
       expected = expected + tonumber(flat[i + 1])
     end
   end
+  if model and model['var'] then var = var + model['var'] end
   return {expected = expected, var = var, count = count, mean = mean, rate = rate,
           model = model}
 end
@@ -108,9 +109,7 @@ local function fits(est, committed, budget, margin_sd, most, cap_seen)
   if est.count == 0 then return math.min(1, most) end
   local one = est.mean
   if not est.model then one = cap_seen end
-  local var = est.var
-  if est.model and est.model['var'] then var = var + est.model['var'] end
-  local room = budget - committed - est.expected - margin_sd * math.sqrt(var)
+  local room = budget - committed - est.expected - margin_sd * math.sqrt(est.var)
   if room <= 0 then return 0 end
   return math.max(0, math.min(most, math.floor(room / math.max(1, one))))
 end

@@ -51,9 +51,7 @@ local est = in_flight_estimate(KEYS[8], KEYS[7], now, tonumber(ARGV[10]), tonumb
 local rate, model, expected = est.rate, est.model, est.expected
 local this_one = est.mean
 if not model then this_one = cap_here end
-local var = est.var
-if model and model['var'] then var = var + model['var'] end
-local margin = (tonumber(ARGV[11]) or 0) * math.sqrt(var)
+local margin = (tonumber(ARGV[11]) or 0) * math.sqrt(est.var)
 if total then this_one = this_one + tonumber(ARGV[6]) end
 
 if ARGV[9] == '1' and est.count > 0 and committed + expected + this_one + margin > budget then
