@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_generate.py                  # defaults: 3-4 minutes on 2 cores
     .venv/bin/python bench/bench_generate.py --rounds 3 --out /tmp/generate.json
     .venv/bin/python bench/bench_generate.py --phases producer --producer-prompts 5000
+    .venv/bin/python bench/bench_generate.py --phases throughput --decode-steps-s 0.002 --rounds 4
 
 Everything runs on loopback with real processes: a throwaway Redis, one SGLang simulator and the
 `datagen worker short|long` commands an operator runs.
@@ -16,6 +17,11 @@ Everything runs on loopback with real processes: a throwaway Redis, one SGLang s
               function of (seed, prompt ids), so both runs generate the same tokens
   memory      PSS of each worker (and any children), sampled during the (a) runs at the moments
               its ledger in-flight count is at its full concurrency
+
+The throughput phase runs once per simulator decode step in --decode-steps-s: 7 ms is the
+project's setting (~11k tokens/s), 2 ms a fast server (~39k tokens/s) where the queue's own cost
+shows. Each run reports the CPU seconds per 1,000 samples of the worker processes (pipeline) and
+of the benchmark process (direct client), and the peak requests running at the server.
 
 Where a run's time goes comes from the simulator's request log: lead (first enqueue or POST to
 first request at the server), ramp (until every slot runs), steady in-flight, drain (last
@@ -64,6 +70,9 @@ from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer, classify, context_length  # noqa: E402
 
 RATIO_GOAL = 0.98
+# A fast server (issue 11 section 8): the queue may cost more there, but not much more.
+FAST_STEP_S, FAST_RATIO_GOAL = 0.002, 0.95
+CPU_RATIO_GOAL = 2.0  # worker CPU per sample against the direct client's
 PRODUCER_GOAL = 2000.0
 MB = 1024 * 1024
 WORDS = """the of and to in a is that for it as was with be by on not this are or from at which
@@ -86,9 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--long-fraction", type=float, default=0.10)
     p.add_argument("--short-concurrency", type=int, default=150)
     p.add_argument("--long-concurrency", type=int, default=32)
+    p.add_argument("--short-workers", type=int, default=1,
+                   help="short worker processes, each with short-concurrency / N threads")
     # Simulator: 182 requests in flight out of 192 slots, ~11k tokens/s, ~35 s per run.
     p.add_argument("--max-running-requests", type=int, default=192)
-    p.add_argument("--decode-step-s", type=float, default=0.007)
+    p.add_argument("--decode-steps-s", default="0.007,0.002",
+                   help="comma list of simulator decode steps; the throughput phase runs at each")
     p.add_argument("--batch-slowdown", type=float, default=1.0)
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0)
     p.add_argument("--mean-output-tokens", type=float, default=200.0)
@@ -100,7 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "generate.json"))
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, records)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.decode_steps_s = [float(x) for x in args.decode_steps_s.split(",")]
+    args.decode_step_s = args.decode_steps_s[0]  # the step of the simulator now running
+    return args
 
 
 # -- prompts --------------------------------------------------------------------------------
@@ -162,7 +177,8 @@ class Bench:
             "--prefill-tokens-per-s", str(a.prefill_tokens_per_s),
             "--mean-output-tokens", str(a.mean_output_tokens), "--sigma", str(a.sigma),
             "--seed", str(a.seed), "--vocab-size", str(self.encoder.vocab_size),
-            "--eos-token-id", str(self.encoder.eos_token_id), "--log-level", "WARNING"])
+            "--eos-token-id", str(self.encoder.eos_token_id), "--log-level", "WARNING"],
+            name=f"simulator-{step_label(a.decode_step_s)}")  # a log (and ready line) of its own
         self.procs.append(self.sim)
         self.env = {"DATAGEN_REDIS_URL": self.redis.url, "DATAGEN_SERVER_URL": self.sim_url,
                     "DATAGEN_OUTPUT_DIR": str(self.tmp / "out"),
@@ -172,15 +188,25 @@ class Bench:
                     "DATAGEN_TOKEN_BUDGET": str(10**15)}  # never closes
 
     def start_workers(self) -> None:
-        for queue in ("short", "long"):
-            proc = start_worker(queue, child_env(self.env), self.tmp / "logs",
-                                name=f"{queue}@bench")
-            self.workers[queue] = proc
+        for name, threads in self.worker_limits().items():
+            queue = name.rstrip("0123456789")
+            env = dict(self.env, **{f"DATAGEN_{queue.upper()}_CONCURRENCY": str(threads)})
+            proc = start_worker(queue, child_env(env), self.tmp / "logs", name=f"{name}@bench")
+            self.workers[name] = proc
             self.procs.append(proc)
-        wait_for_workers(self.redis.url, 2, procs=list(self.workers.values()))
+        wait_for_workers(self.redis.url, len(self.workers), procs=list(self.workers.values()))
 
     def limits(self) -> dict[str, int]:
         return {"short": self.args.short_concurrency, "long": self.args.long_concurrency}
+
+    def worker_limits(self) -> dict[str, int]:
+        """Threads per worker process: the short queue's concurrency split over N processes
+        (their sum is the queue's limit, so the server sees the same requests in flight)."""
+        n, total = self.args.short_workers, self.args.short_concurrency
+        if n == 1:
+            return self.limits()
+        split = {f"short{i + 1}": total // n + (i < total % n) for i in range(n)}
+        return {**split, "long": self.args.long_concurrency}
 
     def pids(self) -> dict[str, int]:
         pids = {"simulator": self.sim.pid, "redis": self.redis.proc.pid, "bench": os.getpid()}
@@ -196,9 +222,14 @@ class Bench:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop(timeout_s=10)
+        self.procs, self.workers, self.sim = [], {}, None
 
 
 # -- measuring one run ----------------------------------------------------------------------
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before[name], 3) for name in before}
+
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     out = {}
@@ -266,9 +297,11 @@ class Monitor(threading.Thread):
         self._halt.set()
         self.join()
         stats = self.bench.sim_get("/_sim/stats")
+        cpu1 = cpu_seconds(self.bench.pids())
         return {"wall_s": round(wall_s, 3), "tokens": tokens,
                 "tokens_per_s": round(tokens / wall_s, 1),
-                "cores_used": cores_used(self._cpu0, cpu_seconds(self.bench.pids()), wall_s),
+                "cores_used": cores_used(self._cpu0, cpu1, wall_s),
+                "cpu_s": cpu_delta(self._cpu0, cpu1),
                 "sim_cpu_peak_pct": max(self.sim_cpu, default=0.0),
                 "sim_tokens_generated": stats["tokens_generated"],
                 "sim_requests_finished": stats["requests_finished"],
@@ -304,7 +337,8 @@ def occupancy(log: list[dict[str, Any]], begin: float, end: float, limit: int
 # -- (a) the pipeline -----------------------------------------------------------------------
 
 def run_pipeline(bench: Bench, rows: list[dict[str, Any]], rnd: int) -> dict[str, Any]:
-    dataset = f"gen_r{rnd}"  # a fresh dataset each round; earlier rounds' ledgers stay
+    # A fresh dataset each round and setting; earlier rounds' ledgers stay.
+    dataset = f"gen_{step_label(bench.args.decode_step_s).replace('.', 'p')}_r{rnd}"
     settings = bench.settings.replace(data_dir=str(write_partition(
         bench.tmp / f"partition-{rnd}", dataset, rows)))
     app, ledger = make_app(settings), Ledger.from_settings(settings)
@@ -324,6 +358,8 @@ def run_pipeline(bench: Bench, rows: list[dict[str, Any]], rnd: int) -> dict[str
                server=occupancy(bench.sim_get("/_sim/log"), first_send[1], ended_clock,
                                 sum(bench.limits().values())),
                samples=int(snap["stats"].get("samples", 0)), dead=snap["dead"],
+               cpu_s_per_1000=per_1000(out["cpu_s"], snap["stats"].get("samples", 0),
+                                       [f"worker_{name}" for name in bench.workers]),
                short=sum(r.short for r in reports), long=sum(r.long for r in reports),
                pss_samples=monitor.pss)
     app.close()
@@ -383,11 +419,22 @@ def run_direct(bench: Bench, jobs: list[tuple[str, dict[str, Any]]], rnd: int) -
     monitor.start()
     results, wall, clock = asyncio.run(_post_all(bench.sim_url, jobs, bench.limits()))
     out = monitor.finish(wall, sum(r for r in results if isinstance(r, int)))
-    out.update(mode="direct", round=rnd,
-               failed=sum(1 for r in results if not isinstance(r, int)),
+    done = sum(1 for r in results if isinstance(r, int))
+    out.update(mode="direct", round=rnd, failed=len(results) - done,
+               cpu_s_per_1000=per_1000(out["cpu_s"], done, ["bench"]),
                server=occupancy(bench.sim_get("/_sim/log"), clock, clock + wall,
                                 sum(bench.limits().values())))
     return out
+
+
+def per_1000(cpu_s: dict[str, float], samples: float, names: list[str]) -> float:
+    """CPU seconds per 1,000 samples of the client processes: the workers (pipeline) or
+    this process (direct client; its monitor thread's small share included)."""
+    return round(1000 * sum(cpu_s[n] for n in names) / max(1.0, float(samples)), 3)
+
+
+def step_label(step_s: float) -> str:
+    return f"{step_s * 1000:g}ms"
 
 
 # -- the producer alone ---------------------------------------------------------------------
@@ -426,11 +473,19 @@ def bench_producer(bench: Bench) -> dict[str, Any]:
 def summarize(runs: list[dict[str, Any]], limits: dict[str, int]) -> dict[str, Any]:
     pipe = [r for r in runs if r["mode"] == "pipeline"]
     direct = [r for r in runs if r["mode"] == "direct"]
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(pipe, direct, strict=True)]
+    pairs = list(zip(pipe, direct, strict=True))
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs]
+    cpu_ratios = [a["cpu_s_per_1000"] / max(b["cpu_s_per_1000"], 1e-9) for a, b in pairs]
     return {"ratios": [round(x, 4) for x in ratios],
             "median_ratio": round(statistics.median(ratios), 4),
             "pipeline_tokens_per_s": statistics.median(r["tokens_per_s"] for r in pipe),
             "direct_tokens_per_s": statistics.median(r["tokens_per_s"] for r in direct),
+            "worker_cpu_s_per_1000": [r["cpu_s_per_1000"] for r in pipe],
+            "direct_cpu_s_per_1000": [r["cpu_s_per_1000"] for r in direct],
+            "cpu_ratios": [round(x, 2) for x in cpu_ratios],
+            "median_cpu_ratio": round(statistics.median(cpu_ratios), 2),
+            "peak_running": {"pipeline": [r["sim_peak_running"] for r in pipe],
+                             "direct": [r["sim_peak_running"] for r in direct]},
             "sim_cpu_mean_pct_worst_run": max(100 * r["cores_used"]["simulator"] for r in runs),
             "sim_cpu_peak_pct": max(r["sim_cpu_peak_pct"] for r in runs),
             "memory": memory_summary(pipe, limits), "runs": runs}
@@ -451,26 +506,49 @@ def memory_summary(runs: list[dict[str, Any]], limits: dict[str, int]) -> dict[s
 
 def table(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows: list[tuple[str, str, str, str]] = []
-    if tp := results.get("throughput"):
-        rows += [("pipeline tokens/s (median)", f"{tp['pipeline_tokens_per_s']:,.0f}", "", ""),
-                 ("direct client tokens/s (median)", f"{tp['direct_tokens_per_s']:,.0f}", "", "")]
-        rows += [(f"ratio pipeline/direct, round {i}", f"{x:.3f}", "", "")
-                 for i, x in enumerate(tp["ratios"], 1)]
-        rows.append(_goal("ratio pipeline/direct, median", tp["median_ratio"], RATIO_GOAL, ".3f"))
-        for queue, mem in tp["memory"].items():
-            low, high = mem["pss_mb_at_full_min"], mem["pss_mb_at_full_max"]
-            rows.append((f"{queue} worker PSS at {mem['concurrency']} in flight (MB)",
-                         f"{low:.0f}-{high:.0f}" if high else "n/a", "", ""))
-        peak = tp["sim_cpu_peak_pct"]
-        rows.append(("simulator CPU, worst run mean / 0.5 s peak (% of a core)",
-                     f"{tp['sim_cpu_mean_pct_worst_run']:.0f} / {peak:.0f}", "< 100",
-                     "yes" if peak < 90 else "NO"))
+    for label, tp in results.get("throughput", {}).items():
+        rows += throughput_rows(label, tp)
     if prod := results.get("producer"):
         rows.append(_goal("producer prompts/s incl. tokenization", prod["prompts_per_s"],
                           PRODUCER_GOAL, ",.0f"))
         rows.append(("Redis used_memory per queued prompt (bytes)",
                      f"{prod['redis_bytes_per_queued_prompt']:,.0f}", "", ""))
     return rows
+
+
+def throughput_rows(label: str, tp: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    goal = FAST_RATIO_GOAL if label == step_label(FAST_STEP_S) else RATIO_GOAL
+    rows = [(f"[{label}] pipeline tokens/s (median)", f"{tp['pipeline_tokens_per_s']:,.0f}",
+             "", ""),
+            (f"[{label}] direct client tokens/s (median)", f"{tp['direct_tokens_per_s']:,.0f}",
+             "", "")]
+    rows += [(f"[{label}] ratio pipeline/direct, round {i}", f"{x:.3f}", "", "")
+             for i, x in enumerate(tp["ratios"], 1)]
+    rows.append(_goal(f"[{label}] ratio pipeline/direct, median", tp["median_ratio"], goal, ".3f"))
+    rows.append((f"[{label}] CPU s per 1,000 samples: workers / direct client",
+                 f"{_span(tp['worker_cpu_s_per_1000'])} / {_span(tp['direct_cpu_s_per_1000'])}",
+                 "", ""))
+    ratio = tp["median_cpu_ratio"]
+    rows.append((f"[{label}] CPU per sample workers/direct, median", f"{ratio:.2f}",
+                 f"<= {CPU_RATIO_GOAL:.2f}", "yes" if ratio <= CPU_RATIO_GOAL else "NO"))
+    peaks = tp["peak_running"]
+    rows.append((f"[{label}] peak running at the server: pipeline / direct",
+                 f"{_span(peaks['pipeline'])} / {_span(peaks['direct'])}", "", ""))
+    for queue, mem in tp["memory"].items():
+        low, high = mem["pss_mb_at_full_min"], mem["pss_mb_at_full_max"]
+        rows.append((f"[{label}] {queue} worker PSS at {mem['concurrency']} in flight (MB)",
+                     f"{low:.0f}-{high:.0f}" if high else "n/a", "", ""))
+    peak = tp["sim_cpu_peak_pct"]
+    rows.append((f"[{label}] simulator CPU, worst run mean / 0.5 s peak (% of a core)",
+                 f"{tp['sim_cpu_mean_pct_worst_run']:.0f} / {peak:.0f}", "< 100",
+                 "yes" if peak < 90 else "NO"))
+    return rows
+
+
+def _span(values: list[float]) -> str:
+    """Median and range: '3.31 (3.10-3.52)'."""
+    low, high = min(values), max(values)
+    return f"{statistics.median(values):g} ({low:g}-{high:g})" if low != high else f"{low:g}"
 
 
 def _goal(name: str, value: float, goal: float, fmt: str) -> tuple[str, str, str, str]:
@@ -489,28 +567,43 @@ def print_run(r: dict[str, Any]) -> None:
     print(f"round {r['round']} {r['mode']:<8} {r['tokens']:>9,} tokens in {r['wall_s']:5.1f}s = "
           f"{r['tokens_per_s']:>7,.0f} tokens/s; lead {s['lead_s']}s, ramp {s['ramp_s']}s, "
           f"steady in flight {s['steady_in_flight']}, drain {s['drain_s']}s; "
+          f"peak running {r['sim_peak_running']}; {r['cpu_s_per_1000']:.2f} CPU s/1k samples; "
           f"other jobs {r['cores_used']['others']:.2f} cores", flush=True)
 
 
 # -- main -----------------------------------------------------------------------------------
 
 def run_phases(bench: Bench, phases: set[str]) -> dict[str, Any]:
+    """The producer once; the throughput phase once per decode step, each with a simulator
+    and workers of its own."""
     results: dict[str, Any] = {}
-    if "producer" in phases:
-        print(f"producer: {bench.args.producer_prompts:,} prompts, no consumer ...", flush=True)
-        results["producer"] = bench_producer(bench)
-    if "throughput" in phases:
-        rows = make_rows(bench.args.prompts, bench.args.long_fraction, bench.args.seed)
-        jobs = direct_jobs(bench, rows)
-        bench.start_workers()
-        runs = []
-        for rnd in range(1, bench.args.rounds + 1):
-            runs.append(run_pipeline(bench, rows, rnd))
-            print_run(runs[-1])
-            runs.append(run_direct(bench, jobs, rnd))
-            print_run(runs[-1])
-        results["throughput"] = summarize(runs, bench.limits())
+    for step in bench.args.decode_steps_s:
+        bench.args.decode_step_s = step
+        try:
+            bench.start_simulator()
+            if "producer" in phases and "producer" not in results:
+                print(f"producer: {bench.args.producer_prompts:,} prompts, no consumer ...",
+                      flush=True)
+                results["producer"] = bench_producer(bench)
+            if "throughput" in phases:
+                print(f"throughput at decode step {step_label(step)} ...", flush=True)
+                results.setdefault("throughput", {})[step_label(step)] = bench_throughput(bench)
+        finally:
+            bench.stop()
     return results
+
+
+def bench_throughput(bench: Bench) -> dict[str, Any]:
+    rows = make_rows(bench.args.prompts, bench.args.long_fraction, bench.args.seed)
+    jobs = direct_jobs(bench, rows)
+    bench.start_workers()
+    runs = []
+    for rnd in range(1, bench.args.rounds + 1):
+        runs.append(run_pipeline(bench, rows, rnd))
+        print_run(runs[-1])
+        runs.append(run_direct(bench, jobs, rnd))
+        print_run(runs[-1])
+    return summarize(runs, bench.worker_limits())
 
 
 def code_digests() -> dict[str, str]:
@@ -540,11 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tiny_tokenizer(tmp / "tokenizer")
         with RedisServer(workdir=tmp / "redis") as server:
             bench = Bench(args, tmp, ChatEncoder(tokenizer), tokenizer, server)
-            try:
-                bench.start_simulator()
-                results = run_phases(bench, set(args.phases.split(",")))
-            finally:
-                bench.stop()
+            results = run_phases(bench, set(args.phases.split(",")))
     finally:
         if args.keep:
             print(f"scratch folder kept: {tmp}")
