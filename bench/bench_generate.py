@@ -289,8 +289,8 @@ class Monitor(threading.Thread):
     def _sample_workers(self) -> None:
         entries = self.ledger.in_flight(self.dataset).values()
         for queue, proc in self.bench.workers.items():
-            # A worker's id in the ledger is "<host>-<pid>" (RecordWriter.writer_id).
-            in_flight = sum(1 for e in entries if str(e.get("worker")).endswith(f"-{proc.pid}"))
+            # A worker's id in the ledger is "<host>-<pid>-<random>" (ledger.owner_id).
+            in_flight = sum(1 for e in entries if f"-{proc.pid}-" in str(e.get("worker")))
             self.pss[queue].append((in_flight, round(pss_mb(proc.pid), 1)))
 
     def finish(self, wall_s: float, tokens: int) -> dict[str, Any]:
