@@ -287,3 +287,29 @@ def test_a_commit_clears_the_samples_dead_letter(ledger: Ledger) -> None:
     ledger.admit("A", "s1", "r1", "w", 5, 100)
     ledger.commit("A", "s1", "r1", 5, 50, False, 1.0)
     assert ledger.dead("A") == {} and ledger.snapshot("A")["dead"] == 0
+
+
+def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> None:
+    # Given: random admits, commits, releases, takeovers and reclaims of 40 samples
+    led = _ledger(redis_url, lease_s=0.05, token_budget=10**9)
+    rng = random.Random(7)
+    rids: dict[str, str] = {}
+    for step in range(600):
+        sample = f"s{rng.randrange(40)}"
+        action = rng.random()
+        if action < 0.5:
+            rid = f"r{step}"
+            owner = rng.choice(["w1", "w2"])
+            if led.admit("A", sample, rid, owner, 5, rng.choice([100, 200])).status == "ok":
+                rids[sample] = rid
+        elif action < 0.7 and sample in rids:
+            led.commit("A", sample, rids.pop(sample), 5, 10, False, 1.0)
+        elif action < 0.9 and sample in rids:
+            led.release("A", sample, rids.pop(sample))
+        elif action < 0.92:
+            time.sleep(0.06)
+            led.reap("A")
+        # Then: after every step, the buckets admission reads hold exactly what is in flight
+        buckets = led.r.hgetall(led.k("A", "buckets"))
+        counted = sum(int(v) for f, v in buckets.items() if f != "_prompt")
+        assert counted == len(led.in_flight("A")) == led.r.zcard(led.k("A", "leases")), step
