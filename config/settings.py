@@ -51,7 +51,7 @@ class Settings:
     short_max_tokens: int = 10240  # max_new_tokens of short prompts
     long_concurrency: int = 32  # threads of a `long` worker
     long_max_tokens: int = 16384  # max_new_tokens of long prompts
-    context_length: int | None = None  # None: read from the server's /server_info
+    context_length: int | None = None  # None: read from /server_info; unknown: nothing enqueued
     sampling_params: dict[str, Any] = field(  # SGLang sampling_params besides max_new_tokens
         default_factory=lambda: {"temperature": 0.7, "top_p": 0.95}
     )

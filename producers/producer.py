@@ -18,7 +18,7 @@ from pathlib import Path
 
 from celery import Celery
 
-from config.settings import Settings
+from config.settings import Settings, masked_url
 from datagen import keys
 from datagen.client import SGLangClient
 from datagen.errors import ServerUnavailable
@@ -65,11 +65,15 @@ class Plan:
 
 
 def classify(settings: Settings, prompt_tokens: int, context_length: int | None) -> Plan | str:
-    """The queue and max_new_tokens for a prompt, or the reason it cannot run."""
+    """The queue and max_new_tokens for a prompt, or the reason it cannot run.
+
+    SGLang refuses a request when prompt + max_new_tokens >= its context length, so the
+    largest it accepts is context - prompt - 1.
+    """
     queue = "short" if prompt_tokens <= settings.long_threshold_tokens else "long"
     _, max_new = settings.queue_limits(queue)
     if context_length is not None:
-        room = context_length - prompt_tokens
+        room = context_length - prompt_tokens - 1
         if room < 1:
             return (f"prompt has {prompt_tokens} tokens; the context length {context_length} "
                     "leaves no room for a response")
@@ -77,17 +81,23 @@ def classify(settings: Settings, prompt_tokens: int, context_length: int | None)
     return Plan(queue, max_new)
 
 
-def context_length(settings: Settings) -> int | None:
+def context_length(settings: Settings) -> int:
+    """The server's context length (or the setting's): without it, clamped prompts are
+    refused by the server, so nothing is enqueued."""
     if settings.context_length:
         return settings.context_length
     client = SGLangClient(settings.server_url, settings.api_key, 5.0, 30.0)
     try:
-        info = client.server_info()
+        value = client.server_info().get("context_length")
     except ServerUnavailable as exc:
-        log.warning("context length unknown (%s); prompts are not clamped", exc)
-        return None
-    value = info.get("context_length")
-    return int(value) if value else None
+        raise ServerUnavailable(
+            f"context length unknown ({exc}): start the server at server_url or set "
+            "context_length, so max_new_tokens fits every prompt; nothing enqueued") from exc
+    if not value:
+        raise ServerUnavailable(
+            f"context length unknown: {masked_url(settings.server_url)}/server_info has no "
+            "context_length; set context_length; nothing enqueued")
+    return int(value)
 
 
 class Producer:

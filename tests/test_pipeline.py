@@ -124,3 +124,28 @@ def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stac
     again = Producer(settings, stack.app(), ledger).run()
     assert sum(r.enqueued for r in again) == 0
     assert sum(r.already_done for r in again) == 30
+
+
+def test_a_prompt_clamped_to_the_context_limit_is_accepted_by_the_server(stack: Stack) -> None:
+    # Given: a server whose context (64 tokens) leaves less room than max_new_tokens, and
+    # that enforces SGLang's rule (prompt + max_new_tokens >= context is refused)
+    stack.start_simulator("--context-length", "64", "--lengths", "fixed:500",
+                          "--decode-step-s", "0.001")
+    write_jsonl(stack.tmp / "partition" / "B1.jsonl",
+                [{"id": f"s{i}", "prompt": "word " * (i + 1)} for i in range(6)])
+    settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=3,
+                               short_max_tokens=100, keep_truncated=True)
+    stack.worker("short")
+    stack.wait_workers(1)
+    # When: the producer clamps to the context it reads from /server_info, and the run ends
+    ledger = stack.ledger()
+    reports = Producer(settings, stack.app(), ledger).run()
+    follow(ledger, 0.3, app=stack.app(), timeout_s=120)
+    # Then: every clamped request was accepted and filled the context to one token short
+    assert reports[0].clamped == 6
+    assert ledger.dead("B1") == {}
+    done = [r for r in iter_records(records_dir(settings.output_dir, "B1"))
+            if isinstance(r, dict)]
+    assert len(done) == 6
+    assert all(r["prompt_tokens"] + r["completion_tokens"] == 63 for r in done)
+    assert not [e for e in stack.sim_log() if e["event"] == "reject"]

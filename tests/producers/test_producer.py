@@ -14,6 +14,7 @@ from conftest import write_jsonl
 from cli.stack import REPO
 from config.settings import Settings
 from datagen.keys import queue_lists
+from datagen.redis_server import free_port
 from producers.producer import Plan, classify
 
 
@@ -25,10 +26,30 @@ def test_classify_by_prompt_length_against_the_threshold() -> None:
 
 def test_max_new_tokens_is_clamped_to_the_context_or_the_prompt_skipped() -> None:
     s = Settings(long_threshold_tokens=100, short_max_tokens=50, long_max_tokens=80)
-    assert classify(s, 90, context_length=120) == Plan("short", 30)
+    # SGLang refuses prompt + max_new_tokens >= context: the largest it takes is one less
+    assert classify(s, 90, context_length=120) == Plan("short", 29)
     assert classify(s, 150, context_length=400) == Plan("long", 80)
-    reason = classify(s, 120, context_length=120)
-    assert isinstance(reason, str) and "120 tokens" in reason and "no room" in reason
+    assert classify(s, 118, context_length=120) == Plan("long", 1)
+    for prompt in (119, 120):
+        reason = classify(s, prompt, context_length=120)
+        assert isinstance(reason, str) and f"{prompt} tokens" in reason and "no room" in reason
+
+
+def test_nothing_is_enqueued_while_the_context_length_is_unknown(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    # Given: no server at server_url and no context_length setting
+    write_jsonl(tmp_path / "partition" / "B1.jsonl", [{"id": "s0", "prompt": "question"}])
+    env = dict(os.environ, DATAGEN_REDIS_URL=redis_url, DATAGEN_OUTPUT_DIR=str(tmp_path / "out"),
+               DATAGEN_TOKENIZER_PATH=str(tokenizer_dir),
+               DATAGEN_SERVER_URL=f"http://127.0.0.1:{free_port()}")
+    result = subprocess.run([sys.executable, "-m", "cli.main", "produce", "--data-dir",
+                             str(tmp_path / "partition")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    # Then: one clear line naming the settings, and nothing queued
+    assert result.returncode == 2, result.stderr
+    assert "context length unknown" in result.stderr and "context_length" in result.stderr
+    client = redis.Redis.from_url(redis_url)
+    assert _queued(client) == 0 and client.hlen("dg:ds:B1:pending") == 0
 
 
 def _produce(tmp: Path, redis_url: str, tokenizer_dir: Path, *extra: str
