@@ -100,12 +100,19 @@ def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
+    """Produce, follow to the end, merge. A run that finished exits 0 even when input lines
+    were skipped (they are reported, loudly, at the end); ``--strict`` exits 3 then."""
     code = cmd_produce(settings, args)
     ledger = _ledger(settings)
     table = follow(ledger, args.interval, app=make_app(settings),
                    on_lost=lambda: cmd_produce(settings, args))
     print_summary(ledger, table)
     _merge_all(settings, ledger)
+    if code == EXIT_BAD_INPUT:
+        print(f"the run finished, but input lines were skipped as bad: see "
+              f"{os.path.join(settings.output_dir, 'reports')}/<dataset>.bad.txt",
+              file=sys.stderr)
+        return code if args.strict else 0
     return code
 
 
@@ -130,6 +137,12 @@ def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
     if args.dataset is None or args.tokens is None:
         print(status_mod.render(status_mod.rows(ledger)))
         return 0
+    known = ledger.datasets()
+    if args.dataset not in known:
+        raise ValueError(f"unknown dataset {args.dataset!r} (known: {', '.join(known) or 'none'})")
+    if args.tokens < 0:
+        raise ValueError(f"budget {args.tokens} for {args.dataset}: must be >= 0 tokens "
+                         "(0 closes the dataset)")
     app = make_app(settings)
     old = ledger.budget(args.dataset)
     ledger.set_budget(args.dataset, args.tokens)

@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     parsers["status"].add_argument("--json", action="store_true")
     parsers["status"].add_argument("--interval", type=float, default=2.0)
     parsers["run"].add_argument("--interval", type=float, default=2.0)
+    parsers["run"].add_argument("--strict", action="store_true",
+                                help="exit 3 when input lines were skipped as bad")
     parsers["dead"].add_argument("dataset", nargs="?", help="one dataset (default: all)")
     parsers["dead"].add_argument("--json", action="store_true")
     parsers["merge"].add_argument("--include-uncommitted", action="store_true")

@@ -182,3 +182,42 @@ def test_a_second_machine_adds_its_own_limits_and_finishes_sooner(stack: Stack) 
                   if e["event"] == "finish" and e["dataset"] == "B2"}
     assert set(b2_servers.values()) == {first, second}
     assert together < 0.75 * alone, (alone, together)
+
+
+def _datagen(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, **stack.env)
+    return subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=150)
+
+
+def test_a_finished_run_with_skipped_lines_exits_0_and_strict_exits_3(stack: Stack) -> None:
+    # Given: a dataset with one line that is not JSON
+    stack.start_simulator("--lengths", "fixed:20", "--decode-step-s", "0.001")
+    part = partition(stack.tmp, {"B1": 4})
+    with open(part / "B1.jsonl", "a") as fh:
+        fh.write("{not json\n")
+    stack.configure(data_dir=str(part), short_concurrency=2, short_max_tokens=50)
+    stack.worker("short")
+    stack.wait_workers(1)
+    # When: `datagen run` runs to its end
+    first = _datagen(stack, "run", "--interval", "0.3")
+    # Then: the run completed, so `make run && make prepare` goes on; the skip is loud
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "input lines were skipped as bad" in first.stderr
+    assert stack.ledger().snapshot("B1")["stats"]["samples"] == 4
+    # ... and --strict keeps the old exit status for those who want it
+    strict = _datagen(stack, "run", "--interval", "0.3", "--strict")
+    assert strict.returncode == 3, strict.stderr[-3000:]
+
+
+def test_budget_refuses_an_unknown_dataset_and_a_negative_budget(stack: Stack) -> None:
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 2})),
+                               server_url="http://127.0.0.1:9")
+    stack.ledger().register(["B1"])
+    unknown = _datagen(stack, "budget", "B9_nope", "5000")
+    assert unknown.returncode == 2
+    assert "unknown dataset 'B9_nope'" in unknown.stderr and "B1" in unknown.stderr
+    negative = _datagen(stack, "budget", "B1", "-5")
+    assert negative.returncode == 2 and "must be >= 0" in negative.stderr
+    ledger = stack.ledger()
+    assert ledger.budget("B1") == settings.budget_for("B1") and not ledger.closed("B1")
