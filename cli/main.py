@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from config.settings import Settings, SettingsError, load_settings, masked_url
-from datagen.errors import DatagenError
+from datagen.errors import DatagenError, LedgerUnavailable
 
 log = logging.getLogger("datagen")
 
@@ -152,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(settings, args) or 0)
     except KeyboardInterrupt:
         return 130
+    except (LedgerUnavailable, redis.exceptions.ConnectionError) as exc:
+        print(f"datagen {args.command}: error: cannot reach Redis at redis_url "
+              f"{masked_url(settings.redis_url)}: {exc}", file=sys.stderr)
+        return 2
     except (DatagenError, ValueError, OSError, redis.exceptions.RedisError) as exc:
         # Bad partitions, unknown datasets, unreachable services: one clear line, no traceback.
         log.debug("command failed", exc_info=True)

@@ -12,7 +12,7 @@ from conftest import Stack, write_jsonl
 from cli.stack import REPO
 from config.settings import Settings, masked_url
 from datagen.generation.follower import follow
-from datagen.redis_server import RedisServer
+from datagen.redis_server import RedisServer, free_port
 from producers.producer import Producer
 
 REDIS_PASSWORD = "redis-Pa55-9f3k"
@@ -67,3 +67,14 @@ def test_no_secret_appears_in_logs_records_or_status(tmp_path: Path, tokenizer_d
     for secret in (REDIS_PASSWORD, API_KEY, FLOWER_AUTH.split(":")[1]):
         leaks = [t[:200] for t in texts if secret in t]
         assert not leaks, f"{secret!r} leaked"
+
+
+def test_an_unreachable_redis_is_named_by_its_setting_with_the_password_masked() -> None:
+    url = f"redis://:s3cret-word@127.0.0.1:{free_port()}/0"
+    result = subprocess.run([sys.executable, "-m", "cli.main", "status"], cwd=REPO,
+                            env=dict(os.environ, DATAGEN_REDIS_URL=url), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert "cannot reach Redis at redis_url redis://:***@127.0.0.1:" in line
+    assert "s3cret-word" not in result.stderr + result.stdout
