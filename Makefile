@@ -41,7 +41,9 @@ run: install ## produce and follow until every dataset is done or closed
 	$(DATAGEN) run $(CFG)
 
 workers: install ## start a short and a long worker (concurrency from the settings)
-	$(DATAGEN) worker short $(CFG) & $(DATAGEN) worker long $(CFG) & wait
+	@# The first worker to exit stops the other, and make fails with its status.
+	@$(DATAGEN) worker short $(CFG) & s=$$!; $(DATAGEN) worker long $(CFG) & l=$$!; \
+	wait -n $$s $$l; code=$$?; kill $$s $$l 2>/dev/null; wait; exit $$code
 
 worker-gpu: install ## start one extraction worker (set CUDA_VISIBLE_DEVICES per GPU)
 	$(DATAGEN) worker gpu $(CFG)

@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     }
     parsers = {}
     for name, text in commands.items():
-        parsers[name] = p = sub.add_parser(name, help=text, description=text)
+        parsers[name] = p = sub.add_parser(name, help=text, description=text,
+                                           allow_abbrev=False)
         _add_settings_flags(p)
     parsers["status"].add_argument("--watch", action="store_true")
     parsers["status"].add_argument("--json", action="store_true")
@@ -98,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     parsers["budget"].add_argument("dataset", nargs="?")
     parsers["budget"].add_argument("tokens", nargs="?", type=int)
     parsers["worker"].add_argument("queue", choices=("short", "long", "gpu"))
-    parsers["worker"].add_argument("celery_args", nargs=argparse.REMAINDER)
+    # Celery's own options (-n, --loglevel, ...) may follow; settings flags work anywhere.
     parsers["flower"].add_argument("--port", type=int, default=5555)
     parsers["flower"].add_argument("--address", default="127.0.0.1")
     parsers["metrics"].add_argument("--port", type=int, default=9108)
@@ -139,7 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("DATAGEN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "worker":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.celery_args = extra
     try:
         settings = settings_from(args)
     except SettingsError as exc:

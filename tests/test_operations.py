@@ -12,7 +12,7 @@ from typing import Any
 import requests
 from conftest import Stack, wait_until, write_jsonl
 
-from cli.stack import REPO, Process
+from cli.stack import REPO, Process, child_env
 from datagen.generation.follower import follow
 from datagen.redis_server import free_port
 from producers.producer import Producer
@@ -221,3 +221,32 @@ def test_budget_refuses_an_unknown_dataset_and_a_negative_budget(stack: Stack) -
     assert negative.returncode == 2 and "must be >= 0" in negative.stderr
     ledger = stack.ledger()
     assert ledger.budget("B1") == settings.budget_for("B1") and not ledger.closed("B1")
+
+
+def test_settings_flags_after_the_queue_name_reach_the_worker(stack: Stack) -> None:
+    # Given: a settings file naming the run's Redis, and an environment that names none
+    config = stack.tmp / "my-run.toml"
+    config.write_text(f'redis_url = "{stack.redis_url}"\nserver_url = "http://127.0.0.1:9"\n'
+                      f'short_concurrency = 3\noutput_dir = "{stack.tmp / "out"}"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    # When: the worker is started as `make workers CONFIG=...` starts it
+    proc = Process("cfg-worker", [sys.executable, "-m", "cli.main", "worker", "short",
+                                  "--config", str(config), "-n", "cfg@%h"],
+                   stack.tmp / "logs" / "cfg-worker.log", child_env(env))
+    stack.procs.append(proc)
+    # Then: it consumes from the Redis the file names, with the file's concurrency
+    stack.wait_workers(1, procs=[proc])
+    assert "concurrency: 3 (thread)" in proc.log_text()
+
+
+def test_make_workers_fails_when_a_worker_exits(tmp_path: Path) -> None:
+    # Given: a settings file a worker refuses
+    config = tmp_path / "bad.toml"
+    config.write_text("short_concurrency = -1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    # When: `make workers CONFIG=...` starts both workers
+    result = subprocess.run(["make", "-s", "workers", f"CONFIG={config}"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    # Then: make says so, with the setting named
+    assert result.returncode != 0
+    assert "short_concurrency" in result.stderr
