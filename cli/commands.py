@@ -9,7 +9,13 @@ import secrets
 import sys
 from typing import Any
 
-from cli.extraction import cmd_calibrate, cmd_estimate, cmd_extract, cmd_prepare
+from cli.extraction import (
+    cmd_calibrate,
+    cmd_estimate,
+    cmd_extract,
+    cmd_prepare,
+    require_model_path,
+)
 from config.settings import Settings, settings_fields
 from datagen import dead as dead_mod
 from datagen import status as status_mod
@@ -177,6 +183,8 @@ def cmd_sweep(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
+    if args.queue == "gpu":
+        require_model_path(settings)
     argv = worker_argv(settings, args.queue) + list(args.celery_args or [])
     os.execv(argv[0], argv)
     return 1  # not reached

@@ -69,7 +69,19 @@ def model_shape(model_path: str) -> tuple[int, int]:
     return int(config["hidden_size"]), int(config["num_hidden_layers"])
 
 
+def require_model_path(settings: Settings) -> None:
+    """The gpu workers load the target model from model_path: refuse before any shard is
+    taken rather than fail each one after it."""
+    if not settings.model_path:
+        raise ValueError("model_path is not set: the gpu workers load the target model from "
+                         "it (model_path in the settings file, DATAGEN_MODEL_PATH)")
+    if not Path(settings.model_path, "config.json").is_file():
+        raise ValueError(f"model_path {settings.model_path!r}: no config.json there (a "
+                         "transformers model folder is needed)")
+
+
 def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
+    require_model_path(settings)
     manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
     shards = xlm.shard_states(manifest)
     xl = xlm.ExtractionLedger(_ledger(settings).r)

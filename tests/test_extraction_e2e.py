@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +17,7 @@ from conftest import Stack, wait_until, write_jsonl
 from test_pipeline import make_partition, run_to_end
 
 from cli.main import main
+from cli.stack import REPO, child_env
 from datagen import extraction_ledger as xlm
 from datagen.celery_app import EXTRACT_TASK
 from datagen.generation.ledger import connect
@@ -246,3 +249,17 @@ def test_calibrate_then_estimate_from_the_model_and_the_records(
                  for x in (out / "records/B1/w.jsonl").read_text().splitlines())
     assert "from the records on disk" in text and "calibrated on cpu" in text
     assert f"{tokens:,} tokens x {4 * HIDDEN * 4 + 16} B" in text
+
+
+def test_the_gpu_worker_and_extract_refuse_to_start_without_a_model(stack: Stack,
+                                                                    tmp_path: Path) -> None:
+    for model_path in ("", str(tmp_path / "no-model-here")):
+        stack.configure(server_url="http://127.0.0.1:9", model_path=model_path)
+        for argv in (["worker", "gpu"], ["extract"]):
+            result = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=REPO,
+                                    env=child_env(stack.env), capture_output=True, text=True,
+                                    timeout=120)
+            # One line naming the setting, before any shard is taken; no made-up flag
+            assert result.returncode == 2, (argv, result.stderr[-2000:])
+            line = result.stderr.strip().splitlines()[-1]
+            assert "model_path" in line and "--num-layers" not in line, line
