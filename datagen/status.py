@@ -57,8 +57,8 @@ def rows(ledger: Ledger) -> list[Row]:
         if state not in ("running", "queued", "waiting"):
             rate = None  # nothing more will come: no rate, no ETA
         remaining = max(0, snap["budget"] - snap["tokens"])
-        eta = remaining / rate if rate and rate > 0 else None
         stats = snap["stats"]
+        eta = eta_s(remaining, snap, rate)
         out.append(Row(name, state, snap["budget"], snap["tokens"], remaining,
                        100.0 * snap["tokens"] / snap["budget"] if snap["budget"] else 0.0,
                        int(stats.get("samples", 0)), max(0, snap["pending"] - snap["waiting"]),
@@ -66,6 +66,18 @@ def rows(ledger: Ledger) -> list[Row]:
                        snap["dead"], int(stats.get("revoked", 0)),
                        int(stats.get("truncated", 0)), rate, eta))
     return out
+
+
+def eta_s(remaining: int, snap: dict[str, Any], rate: float | None) -> float | None:
+    """Seconds until the dataset ends, whichever comes first: its budget, or its samples
+    (those still to run, at the mean tokens per sample so far)."""
+    if not rate or rate <= 0:
+        return None
+    samples = int(snap["stats"].get("samples", 0))
+    left = snap["pending"] + snap["in_flight"]
+    if samples and left:
+        remaining = min(remaining, int(left * snap["tokens"] / samples))
+    return remaining / rate
 
 
 def as_json(table: Sequence[Row]) -> list[dict[str, Any]]:
