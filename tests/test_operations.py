@@ -45,10 +45,16 @@ def _answers(url: str) -> bool:
 
 def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
         stack: Stack) -> None:
-    # Given: a run where one dataset closes early with tasks still queued
-    stack.start_simulator("--lengths", "fixed:100", "--decode-step-s", "0.005")
-    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 40, "B2": 6})),
+    # Given: a run where one dataset closes early with tasks still queued, and one prompt
+    # longer than the server's context (the producer believes in a larger one)
+    stack.start_simulator("--lengths", "fixed:100", "--decode-step-s", "0.005",
+                          "--context-length", "400")
+    part = partition(stack.tmp, {"B1": 40, "B2": 6})
+    with open(part / "B2.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": "B2-huge", "prompt": "word " * 500}) + "\n")
+    settings = stack.configure(data_dir=str(part), context_length=100_000,
                                short_concurrency=2, short_max_tokens=200,
+                               long_threshold_tokens=100_000,
                                budgets={"B1": 300}, token_budget=10**6)
     stack.worker("short", name="short-a@%h")
     stack.wait_workers(1)
@@ -86,6 +92,15 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
                              timeout=20).json()
         return len(tasks)
     wait_until(lambda: waiting() > 0, 30, what="waiting tasks in Flower")
+
+    # ... and a dead-lettered sample is a failure to an operator, with its reason
+    assert list(ledger.dead("B2")) == ["B2-huge"]
+
+    def failed() -> list[dict[str, Any]]:
+        return list(requests.get(f"{url}/api/tasks", params={"state": "FAILURE"}, auth=auth,
+                                 timeout=20).json().values())
+    wait_until(lambda: len(failed()) == 1, 30, what="the dead letter as a failure in Flower")
+    assert "longer than the model's context length" in failed()[0]["exception"]
 
 
 def test_status_json_equals_the_ledger(stack: Stack) -> None:

@@ -96,6 +96,12 @@ def generate(self, **payload: object) -> str:
         # Parked in the ledger until a commit or release wakes it: shown as WAITING.
         self.send_event("task-waiting", dataset=job.dataset, sample=job.sample)
         raise Ignore()
+    if outcome.status == "dead":
+        # Dead-lettered: a failure to an operator (Flower counts it as failed), without a
+        # traceback or a retry; the reason is in the ledger (`datagen dead`).
+        self.send_event("task-failed", exception=f"dead letter: {outcome.detail}",
+                        traceback=None)
+        raise Ignore()
     if outcome.status == "closed":
         # Shown as revoked in Flower, like tasks the stamped revoke caught.
         self.send_event("task-revoked", terminated=False, signum=None, expired=False)
