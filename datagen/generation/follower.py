@@ -56,7 +56,6 @@ class Follower:
 
     def step(self) -> list[status_mod.Row] | None:
         """One look at the run; None while the ledger has lost its state."""
-        table = status_mod.rows(self.ledger)
         if self.ledger.run_marker() is None:
             _say("the ledger lost its state (no run marker)"
                  + ("; rebuilding it from the records" if self.on_lost else
@@ -64,6 +63,7 @@ class Follower:
             if self.on_lost is not None:
                 self.on_lost()
             return None
+        table = status_mod.rows(self.ledger)
         self._draw(table)
         if self.app is not None:
             self._finish_closes(table)
@@ -84,8 +84,10 @@ class Follower:
         """A closed dataset still holding pending work: whoever closed it died before the
         close's actions (revoke, drop pending, aborts) ran. Run them."""
         for row in table:
-            reason = self.ledger.closed(row.dataset) if row.state.startswith("closed") else None
-            if reason and row.queued:
+            if not (row.state.startswith("closed") and row.queued):
+                continue
+            reason = self.ledger.closed(row.dataset)
+            if reason:
                 on_closed(self.app, self.ledger, row.dataset, reason,
                           self.ledger.settings.abort_on_close)
 

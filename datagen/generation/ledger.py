@@ -190,10 +190,7 @@ class Ledger:
                 args = [self.settings.lease_s] + [x for pair in pairs for x in pair]
                 script(keys=[self.k(dataset, keys.INFLIGHT), self.k(dataset, keys.LEASES)],
                        args=args, client=pipe)
-            try:
-                return sum(int(x) for x in pipe.execute())
-            except redis.exceptions.ConnectionError as exc:
-                raise LedgerUnavailable(f"Redis unreachable: {exc}") from exc
+            return sum(int(x) for x in self._call(pipe.execute))
 
     def reap(self, dataset: str) -> list[Reclaimed]:
         """Reclaim the dataset's in-flight entries whose lease is stale, whoever owns them."""
@@ -319,8 +316,10 @@ class Ledger:
         self._call(self.r.hincrby, self.k(dataset, keys.STATS), field, by)
 
     def tokens_per_s(self, dataset: str, window_s: float = 60.0) -> float | None:
-        """Committed tokens per second over the last ``window_s`` (None: no commits in it)."""
-        now = time.time()
+        """Committed tokens per second over the last ``window_s`` (None: no commits in it).
+        The points carry Redis time (commit.lua), so the window is read in Redis time too."""
+        sec, usec = self.r.time()
+        now = sec + usec / 1e6
         points = self.r.zrangebyscore(self.k(dataset, keys.PROGRESS), now - window_s, "+inf")
         if not points:
             return None
