@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import _parser
+from cli.main import _parser, settings_from
 from cli.stack import REPO
 from config.settings import ENV_PREFIX, Settings
 
@@ -61,6 +62,42 @@ def test_every_cli_command_answers_help(command: str) -> None:
     result = subprocess.run([sys.executable, "-m", "cli.main", command, "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "usage" in result.stdout, result.stderr
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in _parser()._actions if a.dest == "command").choices
+
+
+def test_every_option_of_every_command_has_one_line_of_help() -> None:
+    for name, parser in _subparsers().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            label = "/".join(action.option_strings) or action.dest
+            assert action.help and action.help.strip(), f"datagen {name} {label}: no help"
+            assert "\n" not in action.help, f"datagen {name} {label}: more than one line"
+
+
+def test_each_command_lists_only_the_settings_flags_it_reads(monkeypatch) -> None:
+    def flags(name: str) -> set[str]:
+        return {o for a in _subparsers()[name]._actions for o in a.option_strings}
+
+    generation = {"--short-concurrency", "--long-max-tokens", "--partition", "--tokenizer"}
+    for name in ("status", "dead", "budget", "flower", "metrics", "extract", "calibrate"):
+        if name == "budget":  # reopening a dataset enqueues: it produces
+            assert generation <= flags(name)
+            continue
+        assert not generation & flags(name), f"datagen {name} lists generation flags"
+    assert {"--config", "--redis-url"} <= flags("status")
+    assert generation <= flags("produce") and generation <= flags("worker")
+    # The flags the README documents keep their names.
+    assert {"--partition", "--data-dir", "--output-dir", "--server-url", "--redis-url",
+            "--tokenizer", "--token-budget"} <= flags("run")
+    # A settings flag still lands in the settings (and in the environment for child
+    # processes: monkeypatch puts the variable back afterwards).
+    monkeypatch.setenv("DATAGEN_REDIS_URL", "redis://unused:1/0")
+    args = _parser().parse_args(["status", "--redis-url", "redis://h:1/0"])
+    assert settings_from(args).redis_url == "redis://h:1/0"
 
 
 def test_the_configuration_reference_lists_every_setting_and_is_current() -> None:
