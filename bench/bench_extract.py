@@ -7,7 +7,7 @@
 The model gets random weights built directly on the device in the target dtype (nothing is
 saved or downloaded) and is handed to ``Extractor.from_model``. The pipeline writes real files
 into a scratch folder and a background thread deletes each one as soon as it is complete, so
-disk use stays bounded by the files in flight (REFERENCE.md: 64 GiB disk on the H200 box).
+disk use stays bounded by the files in flight (the H200 hosts lent here have 64 GiB of disk).
 
 Phases:
   forward   Extractor batches through the base model with aux hooks, no copies, no files

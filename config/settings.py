@@ -73,7 +73,7 @@ class Settings:
     max_retries: int = 5  # retries of a failing request while the server is healthy
     retry_backoff_s: float = 2.0  # base of the exponential backoff (full jitter)
 
-    # Celery/kombu. Early ack + no prefetch runs each task once (REFERENCE §4);
+    # Celery/kombu. Early ack + no prefetch runs each task once (DESIGN.md, facts);
     # lost work after a crash is found through the ledger's leases instead.
     visibility_timeout_s: int = 43_200  # kombu's; must be the same in every process
     worker_pool: str = "threads"  # pool of the short/long workers

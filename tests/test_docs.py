@@ -110,6 +110,26 @@ def test_the_configuration_reference_lists_every_setting_and_is_current() -> Non
         assert ENV_PREFIX + field.name.upper() in text, field.name
 
 
+def test_default_toml_lists_every_setting_with_its_default_and_is_current() -> None:
+    from config.reference import render_toml
+    from config.settings import load_settings
+
+    path = REPO / "config" / "default.toml"
+    text = path.read_text()
+    assert text == render_toml(), "regenerate: python -m config.reference --toml > " \
+        "config/default.toml"
+    for field in dataclasses.fields(Settings):
+        assert re.search(rf"^(# )?{field.name} =|^\[{field.name}\]", text, re.M), field.name
+    # Loaded as it is, it gives exactly the defaults (nothing from this process's environment).
+    assert load_settings(path, env={}) == Settings()
+
+
+def test_the_docs_stand_on_their_own() -> None:
+    for path in [*DOCS, *REPO.glob("*/*.py"), *REPO.glob("*/*/*.py")]:
+        if ".venv" not in path.parts and path != Path(__file__):
+            assert "REFERENCE" not in path.read_text(), f"{path} cites a file outside the repo"
+
+
 def test_readme_first_screen_has_the_two_commands() -> None:
     first_screen = "\n".join(Path(REPO / "README.md").read_text().splitlines()[:30])
     assert "make demo" in first_screen and "make test" in first_screen
