@@ -81,6 +81,7 @@ class Settings:
     shutdown_grace_s: float = 30.0  # SIGTERM: then in-flight requests are aborted, handed back
 
     flower_basic_auth: str = ""  # "user:password"; `datagen flower` makes one when empty
+    flower_open_metrics: bool = False  # serve Flower's /metrics without its login
     # Off: Flower shows queue lengths and every task from the moment a worker receives it,
     # and the producer is ~1.6x faster. On: Flower also lists each queued task as PENDING.
     bulk_sent_events: bool = False  # task-sent events for the producer's bulk enqueue
