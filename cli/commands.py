@@ -196,7 +196,8 @@ def cmd_flower(settings: Settings, args: argparse.Namespace) -> int:
         auth = f"datagen:{secrets.token_urlsafe(12)}"
         print(f"Flower login (generated, set flower_basic_auth to choose): {auth}",
               flush=True)
-    argv = [sys.executable, "-m", "datagen.flower", f"--port={args.port}", f"--address={args.address}", f"--basic-auth={auth}"]
+    argv = [sys.executable, "-m", "datagen.flower", f"--port={args.port}",
+            f"--address={args.address}", f"--basic-auth={auth}"]
     os.execv(argv[0], argv)
     return 1  # not reached
 
