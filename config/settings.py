@@ -15,6 +15,8 @@ import dataclasses
 import json
 import os
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -109,6 +111,7 @@ class Settings:
     calibration_path: str = ""  # "": <output_dir>/calibration.json
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
                   "long_max_tokens", "long_threshold_tokens", "token_budget",
                   "visibility_timeout_s")
@@ -167,6 +170,55 @@ class Settings:
         return out
 
 
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(Settings)
+
+
+def _check_types(settings: Settings) -> None:
+    """Every value has its field's type (a TOML `lease_s = "30"` is refused, naming the
+    setting); an int where a float is expected becomes that float."""
+    for name, kind in _field_types().items():
+        value = getattr(settings, name)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(settings, name, float(value))  # frozen: the one widening
+        elif not _is_a(value, kind):
+            raise SettingsError(f"{name}: {value!r} is not {_type_name(kind)}")
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_is_a(value, arg) for arg in args)
+    if kind is type(None):
+        return value is None
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, float)
+    if origin is list:
+        # aux_layer_ids: a list, or the environment's "1,15,28" that _layer_ids parses
+        return isinstance(value, list | tuple | str) and (
+            isinstance(value, str) or all(_is_a(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _is_a(v, args[1]) for k, v in value.items())
+    return isinstance(value, kind)
+
+
+def _type_name(kind: Any) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+             type(None): "unset"}
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        return "a list of integers"
+    if typing.get_origin(kind) is dict:
+        return "a table" + (" of integers" if typing.get_args(kind)[1] is int else "")
+    return names.get(kind, str(kind))
+
+
 def _positive(settings: Settings, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
@@ -206,15 +258,21 @@ def load_settings(config_path: str | Path | None = None,
                   overrides: Mapping[str, Any] | None = None) -> Settings:
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # where each value came from, for the error message
     path = config_path or env.get(CONFIG_ENV)
     if path:
-        values.update(_read_toml(Path(path)))
-    values.update(_from_env(env))
+        values.update(toml := _read_toml(Path(path)))
+        origin.update(dict.fromkeys(toml, f"config file {path}"))
+    values.update(from_env := _from_env(env))
+    origin.update({k: f"environment {ENV_PREFIX}{k.upper()}" for k in from_env})
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return Settings(**values)
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
+    except SettingsError as exc:
+        source = origin.get(str(exc).split(":", 1)[0].split(".", 1)[0])
+        raise SettingsError(f"{source}: {exc}" if source else str(exc)) from exc
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -233,27 +291,39 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in fields(Settings):
-        raw = env.get(ENV_PREFIX + f.name.upper())
+    for name, kind in _field_types().items():
+        raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
-            out[f.name] = _coerce(f.name, raw, f.type)
+            out[name] = _coerce(name, raw, kind)
     return out
 
 
-def _coerce(name: str, raw: str, type_name: Any) -> Any:
-    kind = str(type_name)
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(name: str, raw: str, kind: Any) -> Any:
+    """An environment string as the field's type; the type check then refuses what is not."""
+    args = typing.get_args(kind)
+    if type(None) in args:
+        if raw == "":
+            return None
+        kind = next(arg for arg in args if arg is not type(None))
+    text = raw.strip()
     try:
-        if kind.startswith("dict"):
-            return json.loads(raw)
-        if kind.startswith("bool"):
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        if kind.startswith("int"):
-            return None if raw == "" else int(raw)
-        if kind.startswith("float"):
-            return float(raw)
+        if typing.get_origin(kind) is dict:
+            return json.loads(text)
+        if kind is bool:
+            if text.lower() not in TRUE + FALSE:
+                raise ValueError(text)
+            return text.lower() in TRUE
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
     except ValueError as exc:
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a {kind}") from exc
-    return raw or None if "None" in kind else raw
+        raise SettingsError(f"environment {ENV_PREFIX}{name.upper()}: {raw!r} is not "
+                            f"{_type_name(kind)}") from exc
+    return raw
 
 
 def settings_fields() -> list[tuple[str, Any, str]]:
