@@ -7,7 +7,6 @@ import json
 import os
 import secrets
 import sys
-from typing import Any
 
 from cli.extraction import (
     cmd_calibrate,
@@ -16,6 +15,7 @@ from cli.extraction import (
     cmd_prepare,
     require_model_path,
 )
+from cli.output import merge_all, print_json, print_summary, render_produce
 from config.settings import Settings, settings_fields
 from datagen import dead as dead_mod
 from datagen import status as status_mod
@@ -25,7 +25,7 @@ from datagen.generation.guard import close, enqueue
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
-from datagen.generation.merge import datasets_on_disk, merge_dataset
+from datagen.generation.merge import datasets_on_disk
 
 EXIT_BAD_INPUT = 3
 # The extraction phase's subcommands live in cli/extraction.py; main dispatches through here.
@@ -37,8 +37,6 @@ def _ledger(settings: Settings) -> Ledger:
 
 
 def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
-    from cli.main import print_json  # noqa: PLC0415
-
     print_json(settings.public())
     return 0
 
@@ -52,29 +50,7 @@ def cmd_produce(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_BAD_INPUT if any(r.bad for r in reports) else 0
 
 
-def render_produce(reports: list[Any]) -> str:
-    lines = [f"{'dataset':<14} {'read':>6} {'enqueued':>8} {'short':>6} {'long':>5} "
-             f"{'done':>6} {'queued':>6} {'clamped':>7} {'skipped':>7}"]
-    for r in reports:
-        lines.append(f"{r.dataset:<14} {r.read:>6} {r.enqueued:>8} {r.short:>6} {r.long:>5} "
-                     f"{r.already_done:>6} {r.already_queued:>6} {r.clamped:>7} "
-                     f"{r.bad_count:>7}")
-    for r in reports:
-        for line in (r.rebuilt, r.skipped):
-            if line:
-                lines.append(line)
-        for bad in r.bad[:10]:
-            lines.append(f"  skipped {bad}")
-        if r.bad_count > 10:
-            lines.append(f"  ... {r.bad_count - 10} more in reports/{r.dataset}.bad.txt")
-    total_bad = sum(r.bad_count for r in reports)
-    lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input")
-    return "\n".join(lines)
-
-
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
-    from cli.main import print_json  # noqa: PLC0415
-
     ledger = _ledger(settings)
     if args.json:
         print_json(status_mod.as_json(status_mod.rows(ledger)))
@@ -87,22 +63,12 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_dead(settings: Settings, args: argparse.Namespace) -> int:
-    from cli.main import print_json  # noqa: PLC0415
-
     table = dead_mod.read(_ledger(settings), [args.dataset] if args.dataset else [])
     if args.json:
         print_json(dead_mod.as_json(table))
     else:
         print(dead_mod.render(table))
     return 0
-
-
-def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
-    """The end-of-run table, and why samples died when any did."""
-    print(status_mod.render(table))
-    reasons = dead_mod.summary(dead_mod.read(ledger, [r.dataset for r in table]))
-    if reasons:
-        print(reasons)
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
@@ -113,7 +79,7 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     table = follow(ledger, args.interval, app=make_app(settings),
                    on_lost=lambda: cmd_produce(settings, args))
     print_summary(ledger, table)
-    _merge_all(settings, ledger)
+    merge_all(settings, ledger)
     if code == EXIT_BAD_INPUT:
         print(f"the run finished, but input lines were skipped as bad: see "
               f"{os.path.join(settings.output_dir, 'reports')}/<dataset>.bad.txt",
@@ -123,19 +89,8 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_merge(settings: Settings, args: argparse.Namespace) -> int:
-    _merge_all(settings, _ledger(settings), args.include_uncommitted)
+    merge_all(settings, _ledger(settings), args.include_uncommitted)
     return 0
-
-
-def _merge_all(settings: Settings, ledger: Ledger, include_uncommitted: bool = False) -> None:
-    for dataset in datasets_on_disk(settings.output_dir):
-        committed = ledger.committed(dataset) or None
-        report = merge_dataset(settings.output_dir, dataset, committed, include_uncommitted)
-        extra = f", {report.duplicates} duplicates dropped" if report.duplicates else ""
-        if report.uncommitted:
-            extra += f", {report.uncommitted} uncommitted left out"
-        print(f"{dataset}: {report.records} records, {report.completion_tokens:,} completion "
-              f"tokens -> {report.path}{extra}")
 
 
 def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
-from cli.commands import _merge_all, print_summary, render_produce
 from cli.extraction import cmd_extract, committed_maps, decoder
+from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
 from datagen.celery_app import make_app
@@ -86,7 +86,7 @@ def _produce_and_follow(started: float) -> int:
     table = follow(ledger, 1.0, app=app, timeout_s=240)
     print("\nsummary")
     print_summary(ledger, table)
-    _merge_all(settings, ledger)
+    merge_all(settings, ledger)
     closed = [r.dataset for r in table if r.state.startswith("closed")]
     print(f"\ngeneration finished in {time.monotonic() - started:.0f}s; closed by budget: "
           f"{', '.join(closed) or 'none'}; records under {settings.output_dir}", flush=True)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -223,15 +221,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("command failed", exc_info=True)
         print(f"datagen {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
-
-
-def describe(settings: Settings) -> str:
-    return (f"redis {masked_url(settings.redis_url)}, server {masked_url(settings.server_url)},"
-            f" output {settings.output_dir}, at {time.strftime('%H:%M:%S')}")
 
 
 if __name__ == "__main__":

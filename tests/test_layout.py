@@ -1,0 +1,58 @@
+"""The code's layout: no import circles, counting imports inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from cli.stack import REPO
+
+PACKAGES = ("cli", "config", "datagen", "producers", "workers", "simulator")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
+    modules = {_module(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                candidates = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            else:
+                continue
+            targets |= {c for c in candidates if c in modules and c != name}
+        graph[name] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, done = [], set()
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_module_imports_itself_back_round_a_circle() -> None:
+    graph = import_graph()
+    assert "cli.output" in graph["cli.demo"] and "cli.commands" in graph["cli.main"]
+    circles = cycles(graph)
+    assert not circles, " ; ".join(" -> ".join(c) for c in circles)
