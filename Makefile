@@ -48,8 +48,8 @@ workers: install ## start a short and a long worker (concurrency from the settin
 worker-gpu: install ## start one extraction worker (set CUDA_VISIBLE_DEVICES per GPU)
 	$(DATAGEN) worker gpu $(CFG)
 
-flower: install ## start Flower with authentication (flower_basic_auth setting)
-	$(DATAGEN) flower $(CFG)
+flower: install ## start Flower with authentication (flower_basic_auth; ARGS="--port N")
+	$(DATAGEN) flower $(CFG) $(ARGS)
 
 status: install ## one table of every dataset's budget, tokens and state
 	$(DATAGEN) status $(CFG)

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import requests
+from conftest import wait_until
 
 from cli.main import _parser, settings_from
 from cli.stack import REPO
 from config.settings import ENV_PREFIX, Settings
+from datagen.redis_server import free_port
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -144,3 +150,59 @@ def test_every_relative_link_in_the_docs_points_to_a_file() -> None:
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.name}: {target}")
     assert not broken, broken
+
+
+def local_trial_block() -> str:
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    block = text.split("<!-- local-trial:start -->", 1)[1].split("<!-- local-trial:end -->")[0]
+    return block.strip().removeprefix("```bash").removesuffix("```")
+
+
+@pytest.mark.slow
+def test_the_local_trial_runs_as_written(tmp_path: Path) -> None:
+    # Given: DEPLOY.md's local trial, with its ports and folder set to free ones
+    ports = {name: str(free_port()) for name in ("REDIS_PORT", "SIM_PORT", "FLOWER_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    env.update(ports, WORK=str(tmp_path / "trial"))
+    log = tmp_path / "trial.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", local_trial_block()],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        # When: it runs to its last line
+        assert proc.wait(timeout=540) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        # Then: the run finished with every dataset done or closed, the table was printed,
+        # and Flower answers with its login only
+        assert "total" in text and "closed at budget" in text, text[-3000:]
+        records = list((tmp_path / "trial" / "out").rglob("raw_responses.jsonl"))
+        assert records and any(p.stat().st_size for p in records)
+        assert list((tmp_path / "trial" / "out" / "training" / "shards").glob("*.jsonl"))
+        flower = f"http://127.0.0.1:{ports['FLOWER_PORT']}"
+        wait_until(lambda: _status(f"{flower}/healthcheck") == 200, 120, what="Flower")
+        assert _status(f"{flower}/api/workers") == 401
+        assert _status(f"{flower}/api/workers", ("trial", "change-me")) == 200
+    finally:
+        _kill_group(proc)
+
+
+def _status(url: str, auth: tuple[str, str] | None = None) -> int | None:
+    try:
+        return requests.get(url, auth=auth, timeout=10).status_code
+    except requests.RequestException:
+        return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Everything the block left running shares its process group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2 if sig == signal.SIGTERM else 0)
