@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The project image: producer, short/long workers, Flower, the metrics endpoint and the
-# SGLang simulator. `--build-arg EXTRAS=gpu` adds torch for the hidden-state extraction
+# SGLang simulator. `--build-arg EXTRAS=extract` adds torch for the hidden-state extraction
 # worker (`datagen worker gpu`); torch's wheels carry their CUDA libraries, so the host
 # needs only the NVIDIA driver and container toolkit.
 FROM python:3.11-slim

