@@ -9,6 +9,7 @@ CFG := $(if $(CONFIG),--config $(CONFIG),)
 PYTEST_ARGS ?=
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+UV ?= uv==0.13.9
 ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -16,14 +17,16 @@ ARGS ?=
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	@# torch first, as $(TORCH) from $(TORCH_INDEX) when set. PyPI's Linux torch is the
-	@# multi-GB CUDA build; on a CPU-only machine pass the CPU index:
+	$(PY) -m pip install -q --upgrade pip "$(UV)"
+	@# torch first, with pip, as $(TORCH) from $(TORCH_INDEX) when set. PyPI's Linux torch is
+	@# the multi-GB CUDA build; on a CPU-only machine pass the CPU index:
 	@#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install --progress-bar on "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-	$(PY) -m pip install --progress-bar on -e ".[dev]"
+	@# then everything else, exactly as locked (uv: seconds where pip takes minutes)
+	$(VENV)/bin/uv pip install --python $(PY) -r requirements/lock.txt
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the project with its test tools
@@ -105,9 +108,14 @@ bench-ledger: install ## Redis time per admit/commit at 0-10,000 in flight; traf
 bench-memory: install ## merge and rebuild peak memory at 100,000 records (goal <= 500 MB)
 	$(PY) bench/bench_memory.py
 
+lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra but torch)
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/extract-without-torch.in --extra demo \
+		--extra plot --extra dev --universal --python-version 3.11 -q \
+		--custom-compile-command "make lock" -o requirements/lock.txt
+
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
 	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-ledger bench-memory \
-	clean
+	lock clean

@@ -75,3 +75,31 @@ def test_a_generation_host_needs_none_of_the_extras() -> None:
                             text=True, timeout=120, env={**os.environ, "DATAGEN_CONFIG": ""})
     assert result.returncode == 0, result.stderr[-2000:]
     assert '"redis_url"' in result.stdout
+
+
+def test_the_lock_pins_every_dependency_within_its_range() -> None:
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    locked = {}
+    for line in (REPO / "requirements" / "lock.txt").read_text().splitlines():
+        if "==" in line and not line.startswith((" ", "#")):
+            name, version = line.split(";")[0].strip().split("==")
+            locked[canonicalize_name(name)] = version
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for reqs in project["optional-dependencies"].values():
+        wanted += [r for r in reqs if not r.startswith("datagen[")]
+    wanted += [line for line in (REPO / "requirements" / "extract-without-torch.in")
+               .read_text().splitlines() if line and not line.startswith("#")]
+    for text in wanted:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if name == "torch":  # installed first, on its own (Makefile, Dockerfile)
+            continue
+        assert name in locked, f"{req.name} is not in requirements/lock.txt: run `make lock`"
+        assert req.specifier.contains(locked[name], prereleases=True), (
+            f"{req.name}=={locked[name]} in the lock is outside {req.specifier}: `make lock`")
+    assert "torch" not in locked and not any(n.startswith("nvidia-") for n in locked)
