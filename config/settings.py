@@ -44,6 +44,8 @@ class Settings:
     output_dir: str = "runs/default"  # shared by every host: prompts, records, training data
     tokenizer_path: str = ""  # local tokenizer (with chat template) of the target model
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    # The tokenizer (producer) and the model (extraction) may be the checkpoint's own code.
+    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
 
     # Queues: one source for the worker start commands (Makefile, compose).
     long_threshold_tokens: int = 2048  # prompts longer than this go to the `long` queue
@@ -91,7 +93,6 @@ class Settings:
 
     # Hidden-state extraction on the `gpu` queue (one worker per GPU).
     model_path: str = ""  # local HF model folder of the target model
-    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
     # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
     aux_layer_ids: list[int] | None = None  # aux decoder layers; None: [1, N//2-1, N-4]
     extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states

@@ -105,7 +105,8 @@ class Producer:
         self.settings = settings
         self.app = app
         self.ledger = ledger
-        self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs)
+        self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs,
+                                   settings.trust_remote_code)
         self.context_length = context_length(settings)
 
     def run(self) -> list[DatasetReport]:
