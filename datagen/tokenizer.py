@@ -190,6 +190,10 @@ class ChatTemplateError(ValueError):
         self.index = index
 
 
+# Stands for a generated assistant turn while the template renders what follows it.
+TURN_SENTINEL = "<<datagen:generated-turn>>"
+
+
 class TokenizerError(ValueError):
     """The tokenizer at ``tokenizer_path`` cannot be loaded; one line naming the setting."""
 
@@ -286,6 +290,31 @@ class ChatEncoder:
         except Exception as exc:  # jinja2 errors have no common base worth naming here
             raise _template_error(exc) from exc
         return list(ids)
+
+    def encode_turns(self, messages: Sequence[Mapping[str, str]]
+                     ) -> tuple[list[int], list[list[int]]]:
+        """Ids for generating every assistant turn of a conversation, in order.
+
+        Returns the first turn's prompt (the messages before the first assistant turn, with
+        the generation prompt) and, for each later turn, the ids the template writes between
+        the turn before it and its generation: that turn's close, the messages up to the next
+        assistant turn, the generation prompt. The assistant contents themselves are left
+        out (they are generated), so a worker builds each turn's prompt as the previous
+        prompt + its exact output ids + these ids. Without assistant turns: (encode, []).
+        """
+        chat = [dict(m) for m in messages]
+        if any(TURN_SENTINEL in m.get("content", "") for m in chat):
+            raise ChatTemplateError(f"a message holds the marker {TURN_SENTINEL!r}")
+        cuts = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        first = self.encode(chat[:cuts[0]] if cuts else chat)
+        between = []
+        for n in range(len(cuts)):
+            end = cuts[n + 1] if n + 1 < len(cuts) else len(chat)
+            text = self.render([{**m, "content": TURN_SENTINEL} if m["role"] == "assistant"
+                                else m for m in chat[:end]])
+            after = text[text.rindex(TURN_SENTINEL) + len(TURN_SENTINEL):]
+            between.append(list(self._tokenizer(after, add_special_tokens=False)["input_ids"]))
+        return first, between
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt text the template produces for one conversation."""
