@@ -37,13 +37,10 @@ class Job:
 
     def payload(self) -> dict[str, Any]:
         # Spelled out: dataclasses.asdict deep-copies and costs ~10x more per message.
-        payload = {"dataset": self.dataset, "sample": self.sample, "queue": self.queue,
-                   "prompt_file": self.prompt_file, "offset": self.offset,
-                   "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                   "epoch": self.epoch}
-        if self.turns > 1:  # single-turn messages stay as they were
-            payload.update(turns=self.turns, context_length=self.context_length)
-        return payload
+        return {"dataset": self.dataset, "sample": self.sample, "queue": self.queue,
+                "prompt_file": self.prompt_file, "offset": self.offset,
+                "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
+                "epoch": self.epoch, "turns": self.turns, "context_length": self.context_length}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> Job:
