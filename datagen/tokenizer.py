@@ -232,7 +232,8 @@ def _checked_folder(tokenizer_path: str | Path) -> Path:
                              "tokenizer folder (DATAGEN_TOKENIZER_PATH or --tokenizer)")
     path = Path(tokenizer_path).expanduser()
     if not path.is_dir():
-        raise TokenizerError(f"tokenizer_path {path}: no such folder")
+        what = "not a folder" if path.exists() else "no such folder"
+        raise TokenizerError(f"tokenizer_path {path}: {what}")
     if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
         raise TokenizerError(
             f"tokenizer_path {path}: no tokenizer files in this folder (expected "

@@ -258,10 +258,18 @@ class Producer:
     def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[Encoded | None]:
         """Per prompt its first prompt ids and, with regenerate = "all", the template's ids
         before each later assistant turn (``ChatEncoder.encode_turns``); None: refused."""
+        if self.settings.regenerate == "all":
+            multi = [any(m["role"] == "assistant" for m in p.messages) for p in prompts]
+            plain = [p for p, m in zip(prompts, multi, strict=True) if not m]
+            single = iter(self._encode_batch(plain, report))
+            return [self._encode_one(p, report, self.encoder.encode_turns) if m
+                    else next(single) for p, m in zip(prompts, multi, strict=True)]
+        return self._encode_batch(prompts, report)
+
+    def _encode_batch(self, prompts: list[Prompt], report: DatasetReport
+                      ) -> list[Encoded | None]:
         if not prompts:
             return []
-        if self.settings.regenerate == "all":
-            return [self._encode_one(p, report, self.encoder.encode_turns) for p in prompts]
         try:
             return [(ids, []) for ids in self.encoder.encode_batch([p.messages for p in prompts])]
         except ValueError:  # find the one the template refuses
