@@ -1,9 +1,11 @@
-"""A Kimi-style tokenizer that is the checkpoint's own code, and the tokenizer_path errors."""
+"""A Kimi-style tokenizer that is the checkpoint's own code, and the tokenizer_path errors.
+
+conftest.py sets HF_HUB_OFFLINE, and every load is local_files_only: nothing is downloaded.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +19,7 @@ CHAT = [{"role": "system", "content": "Be brief."},
 
 
 @pytest.fixture(scope="module")
-def offline() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HF_HUB_OFFLINE", "1")
-        patch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-        yield
-
-
-@pytest.fixture(scope="module")
-def kimi_dir(offline: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def kimi_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiktoken_tokenizer(tmp_path_factory.mktemp("kimi") / "tok")
 
 
@@ -116,6 +110,6 @@ def test_a_broken_tokenizer_folder_is_one_line(tmp_path: Path) -> None:
     assert "\n" not in message
 
 
-def test_an_ordinary_tokenizer_needs_no_trust(offline: None, tmp_path: Path) -> None:
+def test_an_ordinary_tokenizer_needs_no_trust(tmp_path: Path) -> None:
     tiny = build_tiny_tokenizer(tmp_path / "tiny", vocab_size=512)
     assert ChatEncoder(tiny).encode(CHAT[1:])
