@@ -38,9 +38,13 @@ def test_a_run_generates_with_a_custom_code_tokenizer_end_to_end(kimi_stack: Sta
     questions = [f"Question number {i}: what is {i} times {i}?" for i in range(6)]
     write_jsonl(stack.tmp / "partition" / "K1.jsonl",
                 [{"id": f"k{i}", "prompt": q} for i, q in enumerate(questions)])
+    write_jsonl(stack.tmp / "partition" / "K2.jsonl", [{"id": "chat", "messages": [
+        {"role": "user", "content": "First question?"},
+        {"role": "assistant", "content": "an old answer"},
+        {"role": "user", "content": "Second question?"}]}])
     settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=4,
                                short_max_tokens=64, trust_remote_code=True,
-                               chat_template_kwargs={"thinking": False})
+                               chat_template_kwargs={"thinking": False}, regenerate="all")
     stack.worker("short")
     stack.wait_workers(1)
 
@@ -61,6 +65,18 @@ def test_a_run_generates_with_a_custom_code_tokenizer_end_to_end(kimi_stack: Sta
         assert stack.encoder.decode(rec["prompt_ids"]).startswith("<|im_user|>user<|im_middle|>")
         assert rec["output_ids"][-1] == special["<|im_end|>"]
     assert ledger.snapshot("K1")["tokens"] == sum(len(r["output_ids"]) for r in records)
+
+    # The two-turn chat: its second prompt holds the first turn's output, then Kimi's
+    # markers for the next user turn and the thinking-off generation prompt again
+    (chat,) = iter_records(records_dir(settings.output_dir, "K2"))
+    (a, b), (c, d) = (t["span"] for t in chat["turns"])
+    ids = chat["prompt_ids"] + chat["output_ids"]
+    assert ids[b - 1] == special["<|im_end|>"]
+    assert stack.encoder.decode(ids[b:c]) == (
+        "<|im_user|>user<|im_middle|>Second question?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><think></think>")
+    assert ids[a - 2:a] == [special["<think>"], special["</think>"]]
+    assert ledger.snapshot("K2")["tokens"] == (b - a) + (d - c)
 
 
 def test_the_producer_refuses_a_custom_code_tokenizer_without_trust(kimi_stack: Stack) -> None:
