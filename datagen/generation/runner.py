@@ -99,7 +99,7 @@ def call(ctx: Context, job: Job, prompt: Prompt, rid: str) -> Generation:
 
 def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
             extra: dict[str, Any] | None = None) -> None:
-    ctx.writer.append({**(extra or {}),
+    ctx.writer.append({
         "v": RECORD_VERSION, "id": job.sample, "dataset": job.dataset, "rid": rid,
         "queue": job.queue, "messages": prompt.messages, "prompt_ids": prompt.prompt_ids,
         "output_ids": gen.output_ids, "finish_reason": gen.finish_reason,
@@ -107,6 +107,7 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
         "completion_tokens": gen.completion_tokens, "truncated": gen.truncated,
         "server": ctx.client.base_url, "worker": ctx.worker_id,
         "host": socket.gethostname(), "time": time.time(), "latency_s": gen.latency_s,
+        **(extra or {}),  # "turns" of a multi-turn sample
     })
 
 
