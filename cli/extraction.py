@@ -55,7 +55,7 @@ def decoder(settings: Settings) -> Any:
         return None
     from datagen.tokenizer import ChatEncoder  # noqa: PLC0415
 
-    encoder = ChatEncoder(path)
+    encoder = ChatEncoder(path, trust_remote_code=settings.trust_remote_code)
     # special tokens (eos, role markers) are the template's, not the assistant's text
     return lambda ids: encoder.decode(ids, skip_special_tokens=True)
 

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 ENV_PREFIX = "DATAGEN_"
 CONFIG_ENV = "DATAGEN_CONFIG"
 BUDGET_MEASURES = ("completion", "total")
+REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
 EXTRACT_FORMATS = ("ckpt", "safetensors")
@@ -46,6 +47,11 @@ class Settings:
     output_dir: str = "runs/default"  # shared by every host: prompts, records, training data
     tokenizer_path: str = ""  # local tokenizer (with chat template) of the target model
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    # The tokenizer (producer) and the model (extraction) may be the checkpoint's own code.
+    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
+    # "last": only the last assistant turn is generated, earlier ones keep the dataset's text
+    # (not trained on); "all": every assistant turn, in order, each after the generated ones.
+    regenerate: str = "last"  # which assistant turns are generated: "last" or "all"
 
     # Queues: one source for the worker start commands (Makefile, compose).
     long_threshold_tokens: int = 2048  # prompts longer than this go to the `long` queue
@@ -94,7 +100,6 @@ class Settings:
 
     # Hidden-state extraction on the `gpu` queue (one worker per GPU).
     model_path: str = ""  # local HF model folder of the target model
-    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
     # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
     aux_layer_ids: list[int] | None = None  # aux decoder layers; None: [1, N//2-1, N-4]
     extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states
@@ -115,6 +120,9 @@ class Settings:
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
                   "long_max_tokens", "long_threshold_tokens", "token_budget",
                   "visibility_timeout_s")
+        if self.regenerate not in REGENERATE_MODES:
+            raise SettingsError(
+                f"regenerate: {self.regenerate!r} is not one of {REGENERATE_MODES}")
         if self.budget_counts not in BUDGET_MEASURES:
             raise SettingsError(
                 f"budget_counts: {self.budget_counts!r} is not one of {BUDGET_MEASURES}")

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 from config.settings import Settings
 from datagen.errors import PermanentError
 from datagen.generation.merge import datasets_on_disk, merge_dataset
-from datagen.generation.records import is_current, merged_path, write_atomic
+from datagen.generation.records import is_current, loss_spans, merged_path, write_atomic
 from datagen.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -262,16 +262,24 @@ def _write_shards(out: Path, order: list[Entry], per_shard: int,
 
 
 def _shard_line(idx: int, record: dict[str, Any], digest: Any) -> str:
-    line = json.dumps({"idx": idx, "id": str(record["id"]), "dataset": record["dataset"],
-                       "prompt_ids": record["prompt_ids"], "output_ids": record["output_ids"]},
-                      separators=(",", ":"), ensure_ascii=False) + "\n"
+    row = {"idx": idx, "id": str(record["id"]), "dataset": record["dataset"],
+           "prompt_ids": record["prompt_ids"], "output_ids": record["output_ids"]}
+    spans = loss_spans(record)
+    if spans is not None:  # several generated turns: the loss covers each of them
+        row["loss_spans"] = spans
+    line = json.dumps(row, separators=(",", ":"), ensure_ascii=False) + "\n"
     digest.update(line.encode("utf-8"))
     return line
 
 
 def _conversation_line(record: dict[str, Any], decode: Decode) -> str:
-    turns = [{"role": m["role"], "content": m["content"]} for m in record.get("messages", [])]
-    turns.append({"role": "assistant", "content": decode(record["output_ids"])})
+    ids = record["prompt_ids"] + record["output_ids"]
+    spans = loss_spans(record) or [[len(record["prompt_ids"]), len(ids)]]
+    # regenerate = "all": the earlier assistant turns are the generated ones, not the input's.
+    generated = iter(decode(ids[a:b]) for a, b in spans[:-1])
+    turns = [{"role": m["role"], "content": next(generated, m["content"])
+              if m["role"] == "assistant" else m["content"]} for m in record.get("messages", [])]
+    turns.append({"role": "assistant", "content": decode(ids[slice(*spans[-1])])})
     return json.dumps({"id": str(record["id"]), "conversations": turns},
                       ensure_ascii=False) + "\n"
 

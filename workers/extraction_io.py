@@ -44,6 +44,8 @@ class Sample:
     input_ids: list[int]   # prompt + output, already truncated to max_length
     n_prompt: int          # leading tokens with loss_mask 0
     truncated: bool
+    # Several generated turns (regenerate = "all"): [start, end) of each, loss_mask 1 there.
+    loss_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -100,10 +102,31 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     truncated = len(ids) > max_length
     if truncated and overlong == "skip":
         return Rejected(idx, sid, f"{len(ids)} tokens > max_length {max_length}", overlong=True)
-    if len(prompt) >= max_length:
+    spans = _loss_spans(rec.get("loss_spans"), len(prompt), len(ids))
+    if spans is None:
+        return Rejected(idx, sid, "loss_spans not ordered [start, end) pairs inside the ids")
+    first = spans[0][0] if spans else len(prompt)
+    if first >= max_length:
         # truncation would keep no response token: nothing to train on
-        return Rejected(idx, sid, f"prompt alone {len(prompt)} >= max_length", overlong=True)
-    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:max_length], len(prompt), truncated)
+        return Rejected(idx, sid, f"prompt alone {first} >= max_length", overlong=True)
+    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:max_length], first, truncated,
+                  spans)
+
+
+def _loss_spans(raw: Any, n_prompt: int, n_ids: int) -> tuple[tuple[int, int], ...] | None:
+    """A multi-turn record's spans (), or None when they are malformed."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        return None
+    spans, end = [], 0
+    for span in raw:
+        if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)
+                and end <= span[0] <= span[1] <= n_ids):
+            return None
+        spans.append((span[0], span[1]))
+        end = span[1]
+    return tuple(spans) if spans[-1] == (n_prompt, n_ids) else None
 
 
 def rows_dir(idx: int) -> str:
@@ -119,6 +142,10 @@ def sample_tensors(sample: Sample, aux: torch.Tensor, final: torch.Tensor) -> di
     ids = torch.tensor(sample.input_ids, dtype=torch.int64)
     mask = torch.ones(sample.length, dtype=torch.int64)
     mask[: sample.n_prompt] = 0
+    if sample.loss_spans:
+        mask.zero_()
+        for start, end in sample.loss_spans:
+            mask[start:end] = 1
     return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux, "hidden_state": final}
 
 
