@@ -29,6 +29,9 @@ EXTRACT_OVERLONG = ("truncate", "skip")
 EXTRACT_FORMATS = ("ckpt", "safetensors")
 
 
+RENAMED = {"extract_max_length_tokens": "train_max_length"}
+
+
 class SettingsError(ValueError):
     """A setting has a bad value; the message names the field and the value."""
 
@@ -97,7 +100,9 @@ class Settings:
     extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states
     extract_device: str = "auto"  # "auto": cuda when there is one (CUDA_VISIBLE_DEVICES)
     extract_attn_implementation: str = "sdpa"  # transformers attn_implementation
-    extract_max_length_tokens: int = 16384  # longer samples: extract_overlong decides
+    # SpecForge's data.max_length (its default 2048): the files, the online rows and the run
+    # config all use it, so the trainer never cuts or drops what was extracted.
+    train_max_length: int = 2048  # tokens per sample kept; longer: extract_overlong decides
     extract_overlong: str = "truncate"  # "truncate" keeps the first tokens, "skip" drops
     extract_batch_tokens: int = 32768  # tokens per forward batch (the unit of OOM splitting)
     extract_file_format: str = "ckpt"  # "ckpt" (SpecForge) or "safetensors"
@@ -106,6 +111,7 @@ class Settings:
     extract_retry_countdown_s: float = 30.0  # wait before a shard's retry
     extraction_dir: str = ""  # "": <output_dir>/training/hidden_states
     calibration_path: str = ""  # "": <output_dir>/calibration.json
+    draft_vocab_size: int = 32000  # draft vocabulary of vocab_mapping.pt (capped at the target's)
 
     def __post_init__(self) -> None:
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
@@ -121,8 +127,8 @@ class Settings:
         for name, budget in self.budgets.items():
             if not isinstance(budget, int) or budget < 0:
                 raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
-        _positive(self, "shard_samples", "extract_max_length_tokens", "extract_batch_tokens",
-                  "extract_writer_threads")
+        _positive(self, "shard_samples", "train_max_length", "extract_batch_tokens",
+                  "extract_writer_threads", "draft_vocab_size")
         self._check_extraction()
         for url_field in ("redis_url", "server_url"):
             if "://" not in getattr(self, url_field):
@@ -224,6 +230,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path}: {exc}") from exc
     known = {f.name for f in fields(Settings)}
+    for old, new in RENAMED.items():
+        if old in raw:
+            raise SettingsError(f"config file {path}: {old} is now {new} (one limit for the "
+                                "extraction and the trainer's max_length)")
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
@@ -232,6 +242,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for old, new in RENAMED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise SettingsError(f"{ENV_PREFIX}{old.upper()} is now {ENV_PREFIX}{new.upper()}")
     for f in fields(Settings):
         raw = env.get(ENV_PREFIX + f.name.upper())
         if raw is not None:
