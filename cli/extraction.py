@@ -16,10 +16,10 @@ from typing import Any
 import redis
 
 from config.settings import Settings
-from datagen import extraction_ledger as xlm
 from datagen import training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
-from datagen.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.extraction import ledger as xlm
+from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 
@@ -266,8 +266,8 @@ def calibration_file(settings: Settings) -> str:
 def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 (this command runs the model on this machine)
 
-    from datagen.estimate import save_calibration  # noqa: PLC0415
-    from workers.extraction import calibrate  # noqa: PLC0415 (loads the model here)
+    from datagen.extraction.estimate import save_calibration  # noqa: PLC0415
+    from datagen.extraction.extractor import calibrate  # noqa: PLC0415 (loads the model here)
 
     if not settings.model_path:
         raise ValueError("model_path is not set (DATAGEN_MODEL_PATH, --config)")

@@ -18,8 +18,8 @@ from test_pipeline import make_partition, run_to_end
 
 from cli.main import main
 from cli.stack import REPO, child_env
-from datagen import extraction_ledger as xlm
 from datagen.celery_app import EXTRACT_TASK
+from datagen.extraction import ledger as xlm
 from datagen.generation.ledger import connect
 from datagen.generation.records import merged_path
 from datagen.tiny_model import build_tiny_llama
@@ -199,7 +199,7 @@ def test_extract_refuses_without_disk_room_and_never_enqueues_a_queued_shard_twi
     synthetic_records(Path(settings.output_dir), encoder.vocab_size, 6)
     assert datagen(monkeypatch, stack, "prepare") == 0
     free = SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000)
-    monkeypatch.setattr("datagen.estimate.shutil.disk_usage", lambda _path: free)
+    monkeypatch.setattr("datagen.extraction.estimate.shutil.disk_usage", lambda _path: free)
     r = connect(stack.redis_url)
 
     # When/Then: extract refuses with the numbers and the override

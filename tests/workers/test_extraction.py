@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from datagen.estimate import InsufficientDiskSpace
+from datagen.extraction.estimate import InsufficientDiskSpace
+from datagen.extraction.extractor import ExtractionConfig, Extractor
+from datagen.extraction.files import TMP_MARK
+from datagen.extraction.manifest import load_done
 from datagen.tiny_model import build_tiny_llama
-from workers.extraction import ExtractionConfig, Extractor
-from workers.extraction_io import TMP_MARK, load_done
 
 VOCAB = 300
 HIDDEN = 64
@@ -215,7 +216,7 @@ def test_leftover_temp_and_unrecorded_file_are_redone(extractor, tmp_path):
 
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
-    from workers.extraction import ExtractionConfig, Extractor
+    from datagen.extraction.extractor import ExtractionConfig, Extractor
     cfg = ExtractionConfig(model_path=sys.argv[1], output_dir=sys.argv[2], dtype="float32",
                            device="cpu", batch_tokens=1, writer_threads=2, max_pending_writes=2)
     Extractor(cfg).run_shard(sys.argv[3], progress=lambda done, total: time.sleep(0.05))
@@ -311,7 +312,7 @@ def test_failing_batch_is_split_down_to_the_bad_sample(extractor, tmp_path, monk
 
 
 def test_disk_check_refuses_unless_forced(model, tmp_path, monkeypatch):
-    import datagen.estimate as est
+    import datagen.extraction.estimate as est
 
     write_shard(tmp_path / "s.jsonl", 2)
     monkeypatch.setattr(est.shutil, "disk_usage", lambda _p: SimpleNamespace(free=10))
@@ -350,7 +351,7 @@ def test_disk_error_fails_the_shard_and_a_retry_redoes_only_the_lost_sample(
         extractor, tmp_path, monkeypatch):
     import errno
 
-    import workers.extraction as extraction
+    import datagen.extraction.extractor as extraction
     from datagen.errors import StorageError
 
     write_shard(tmp_path / "s.jsonl", 5)

@@ -3,8 +3,8 @@
 One ``Extractor`` per GPU process loads the model once; the Celery task calls ``run_shard``
 for each shard of phase-1 records. Per sample it writes ``data_{idx}.ckpt`` =
 {input_ids int64 [L], loss_mask int64 [L], aux_hidden_state [1, L, 3H], hidden_state [1, L, H]}
-(see extraction_io for layout and crash safety, extraction_model for hooks and packing,
-extraction_pipeline for the overlap of compute, copies and writes).
+(see files.py for layout and crash safety, backends/hf.py for hooks and packing,
+pipeline.py for the overlap of compute, copies and writes).
 
 Batching: a shard's samples are sorted by length (longest first) and cut into batches of at most
 ``batch_tokens`` tokens; a batch is the unit of retry and of one device->host copy. Inside a
@@ -27,28 +27,26 @@ from typing import Any
 import torch
 
 from datagen.errors import StorageError
-from datagen.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
-from workers.extraction_io import (
-    Manifest,
-    Rejected,
-    Sample,
-    load_done,
-    prepare,
-    read_shard,
-    relative_path,
-    remove_stale_temps,
-    sample_tensors,
-    save_atomic,
-    shard_name,
-)
-from workers.extraction_model import (
+from datagen.extraction.backends.hf import (
     DTYPES,
     RowRunner,
     load_model,
     packing_isolated,
     resolve_device,
 )
-from workers.extraction_pipeline import AsyncWriter, Countdown, HostStaging, Staged
+from datagen.extraction.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
+from datagen.extraction.files import (
+    Rejected,
+    Sample,
+    prepare,
+    read_shard,
+    relative_path,
+    remove_stale_temps,
+    sample_tensors,
+    save_atomic,
+)
+from datagen.extraction.manifest import Manifest, load_done, shard_name
+from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
 
