@@ -1,4 +1,4 @@
-"""The extraction phase's subcommands: prepare, extract, estimate, calibrate.
+"""The extraction phase's subcommands: prepare, extract, handoff, estimate, calibrate.
 
 Like every producer-side command they enqueue by task name and never import worker code or
 torch (``calibrate`` is the exception: it runs the model on this machine, by design).
@@ -16,10 +16,11 @@ from typing import Any
 import redis
 
 from config.settings import Settings
-from datagen import training_set
+from datagen import handoff, training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.extraction import ledger as xlm
 from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.extraction.manifest import shard_name
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 
@@ -90,7 +91,7 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     if not todo and not dead:
         print(f"all {len(shards)} shards done ({manifest['samples']:,} samples, "
               f"{manifest['tokens']:,} tokens): nothing to enqueue; files under {out}")
-        return 0
+        return write_handoff(settings, shards)
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
     need = check_disk(out, sum(s.tokens for s in todo), hidden,
@@ -105,7 +106,33 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
           flush=True)
     if args.no_wait:
         return 0
-    return follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+    code = follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+    if code:
+        print("SpecForge handoff not written: extraction is incomplete")
+        return code
+    return write_handoff(settings, shards)
+
+
+def write_handoff(settings: Settings, shards: list[xlm.ShardState]) -> int:
+    """vocab_mapping.pt, draft_config.json and the run config next to the files, then the
+    folder and the `specforge train` line that trains on it."""
+    try:
+        made = handoff.write_handoff(
+            training_set.extraction_dir(settings), [shard_name(s.path) for s in shards],
+            settings.model_path, settings.draft_vocab_size, settings.train_max_length,
+            settings.trust_remote_code)
+    except (ValueError, ImportError) as exc:
+        print(f"SpecForge handoff not written: {exc}")
+        return EXIT_INCOMPLETE
+    print(handoff.describe(made))
+    return 0
+
+
+def cmd_handoff(settings: Settings, args: argparse.Namespace) -> int:
+    """Write the handoff again (another draft_vocab_size, a moved model) from the counts."""
+    require_model_path(settings)
+    manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
+    return write_handoff(settings, xlm.shard_states(manifest))
 
 
 def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.ShardState],

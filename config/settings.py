@@ -26,10 +26,12 @@ CONFIG_ENV = "DATAGEN_CONFIG"
 BUDGET_MEASURES = ("completion", "total")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
-EXTRACT_FORMATS = ("ckpt", "safetensors")
 
 
 RENAMED = {"extract_max_length_tokens": "train_max_length"}
+# Removed, and why (docs/DESIGN.md): a TOML or environment that still sets one fails loudly.
+REMOVED = {"extract_file_format": "SpecForge reads only .ckpt files; the safetensors variant "
+                                  "matched no trainer's contract"}
 
 
 class SettingsError(ValueError):
@@ -105,7 +107,6 @@ class Settings:
     train_max_length: int = 2048  # tokens per sample kept; longer: extract_overlong decides
     extract_overlong: str = "truncate"  # "truncate" keeps the first tokens, "skip" drops
     extract_batch_tokens: int = 32768  # tokens per forward batch (the unit of OOM splitting)
-    extract_file_format: str = "ckpt"  # "ckpt" (SpecForge) or "safetensors"
     extract_writer_threads: int = 4  # threads writing files while the next batch runs
     extract_max_retries: int = 2  # whole-shard failures: Celery retries, then dead-letter
     extract_retry_countdown_s: float = 30.0  # wait before a shard's retry
@@ -137,8 +138,7 @@ class Settings:
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
-                              ("extract_overlong", EXTRACT_OVERLONG),
-                              ("extract_file_format", EXTRACT_FORMATS)):
+                              ("extract_overlong", EXTRACT_OVERLONG)):
             if getattr(self, name) not in allowed:
                 raise SettingsError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
         if self.extract_max_retries < 0 or self.extract_retry_countdown_s < 0:
@@ -234,6 +234,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         if old in raw:
             raise SettingsError(f"config file {path}: {old} is now {new} (one limit for the "
                                 "extraction and the trainer's max_length)")
+    for old, why in REMOVED.items():
+        if old in raw:
+            raise SettingsError(f"config file {path}: {old} was removed: {why}")
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
@@ -245,6 +248,9 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     for old, new in RENAMED.items():
         if ENV_PREFIX + old.upper() in env:
             raise SettingsError(f"{ENV_PREFIX}{old.upper()} is now {ENV_PREFIX}{new.upper()}")
+    for old, why in REMOVED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise SettingsError(f"{ENV_PREFIX}{old.upper()} was removed: {why}")
     for f in fields(Settings):
         raw = env.get(ENV_PREFIX + f.name.upper())
         if raw is not None:

@@ -3,8 +3,9 @@
 No download is ever needed: the weights come from ``torch.manual_seed(seed)``, so the same
 arguments give the same tensors. The folder is laid out as a real checkpoint is: weights in
 safetensors shards listed by ``model.safetensors.index.json`` (SpecForge's target-head loader
-finds ``lm_head.weight`` and the embedding through that index and refuses a folder without one). torch and transformers are imported inside the function because
-CPU-only processes import ``datagen`` without them.
+finds ``lm_head.weight`` and the embedding through that index and refuses a folder without
+one). torch and transformers are imported inside the functions because CPU-only processes
+import ``datagen`` without them.
 """
 
 from __future__ import annotations

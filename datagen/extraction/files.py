@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from datagen.handoff import kept_length, loss_mask
+
 ROWS_PER_DIR = 2000
 TMP_MARK = ".tmp-"
-EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors"}
 _TMP_NAME = re.compile(r"^\.data_(\d+)\.[a-z]+" + re.escape(TMP_MARK))
 
 
@@ -37,7 +38,7 @@ class Sample:
     idx: int
     id: str
     dataset: str
-    input_ids: list[int]   # prompt + output, already truncated to max_length
+    input_ids: list[int]   # prompt + output, already cut by the length rule
     n_prompt: int          # leading tokens with loss_mask 0
     truncated: bool
 
@@ -80,7 +81,8 @@ def _ids_ok(ids: Any, vocab_size: int) -> bool:
 
 def prepare(line: int, rec: Any, max_length: int, overlong: str,
             vocab_size: int) -> Sample | Rejected:
-    """Validate one record and apply the overlong rule; ids out of the vocab are rejected
+    """Validate one record and apply the length rule (datagen/handoff.py, the one SpecForge's
+    data.max_length agrees with); ids out of the vocab are rejected
     here because on CUDA they would trip a device-side assert that poisons the whole process."""
     if not isinstance(rec, dict):
         return Rejected(None, f"line {line}", f"not a JSON object: {rec}")
@@ -93,13 +95,10 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     ids = prompt + output
     if not ids:
         return Rejected(idx, sid, "no tokens")
-    truncated = len(ids) > max_length
-    if truncated and overlong == "skip":
-        return Rejected(idx, sid, f"{len(ids)} tokens > max_length {max_length}", overlong=True)
-    if len(prompt) >= max_length:
-        # truncation would keep no response token: nothing to train on
-        return Rejected(idx, sid, f"prompt alone {len(prompt)} >= max_length", overlong=True)
-    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:max_length], len(prompt), truncated)
+    kept, why = kept_length(len(prompt), len(ids), max_length, overlong)
+    if not kept:
+        return Rejected(idx, sid, why, overlong=True)
+    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], len(prompt), kept < len(ids))
 
 
 def rows_dir(idx: int) -> str:
@@ -107,15 +106,19 @@ def rows_dir(idx: int) -> str:
     return f"rows_{start}-{start + ROWS_PER_DIR}"
 
 
-def relative_path(idx: int, file_format: str) -> str:
-    return f"{rows_dir(idx)}/data_{idx}.{EXTENSIONS[file_format]}"
+def relative_path(idx: int) -> str:
+    return f"{rows_dir(idx)}/data_{idx}.ckpt"
 
 
 def sample_tensors(sample: Sample, aux: torch.Tensor, final: torch.Tensor) -> dict:
     ids = torch.tensor(sample.input_ids, dtype=torch.int64)
-    mask = torch.ones(sample.length, dtype=torch.int64)
-    mask[: sample.n_prompt] = 0
+    mask = torch.tensor(sample_loss_mask(sample), dtype=torch.int64)
     return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux, "hidden_state": final}
+
+
+def sample_loss_mask(sample: Sample) -> list[int]:
+    """The file's loss_mask (also what the vocab counts and the online rows use)."""
+    return loss_mask(sample.n_prompt, sample.length)
 
 
 def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
@@ -126,16 +129,12 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
-def save_atomic(final: Path, tensors: dict[str, torch.Tensor], file_format: str) -> int:
+def save_atomic(final: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Write, fsync, rename, fsync the folder; returns the file size."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
     try:
-        if file_format == "safetensors":
-            from safetensors.torch import save_file
-            save_file(tensors, str(tmp))
-        else:
-            torch.save(tensors, tmp)
+        torch.save(tensors, tmp)
         size = tmp.stat().st_size
         _fsync(tmp)
         os.replace(tmp, final)

@@ -42,10 +42,10 @@ def extraction_config(settings: Settings) -> Any:
         model_path=settings.model_path, output_dir=str(extraction_dir(settings)),
         aux_layer_ids=tuple(settings.aux_layer_ids) if settings.aux_layer_ids else None,
         dtype=settings.extract_dtype, device=settings.extract_device,
-        max_length=settings.extract_max_length_tokens, overlong=settings.extract_overlong,
+        max_length=settings.train_max_length, overlong=settings.extract_overlong,
         batch_tokens=settings.extract_batch_tokens,
         attn_implementation=settings.extract_attn_implementation,
-        trust_remote_code=settings.trust_remote_code, file_format=settings.extract_file_format,
+        trust_remote_code=settings.trust_remote_code,
         writer_threads=threads, max_pending_writes=2 * threads)
 
 

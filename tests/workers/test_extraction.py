@@ -160,16 +160,6 @@ def test_written_files_satisfy_specforge_contract(model, extractor, tmp_path):
     assert res.tokens == sum(e["tokens"] for e in entries)
 
 
-def test_safetensors_format(model, tmp_path):
-    from safetensors.torch import load_file
-
-    write_shard(tmp_path / "shard.jsonl", 3)
-    with make_extractor(model, tmp_path / "out", file_format="safetensors") as ex:
-        assert ex.run_shard(tmp_path / "shard.jsonl").written == 3
-    d = load_file(tmp_path / "out" / "rows_0-2000" / "data_1.safetensors")
-    assert d["aux_hidden_state"].shape[2] == 3 * HIDDEN
-
-
 def test_rows_folders_of_2000(model, extractor, tmp_path):
     write_shard(tmp_path / "shard.jsonl", 2, start=3999)
     extractor.run_shard(tmp_path / "shard.jsonl")
@@ -357,10 +347,10 @@ def test_disk_error_fails_the_shard_and_a_retry_redoes_only_the_lost_sample(
     write_shard(tmp_path / "s.jsonl", 5)
     real = extraction.save_atomic
 
-    def save_atomic(final, tensors, file_format):
+    def save_atomic(final, tensors):
         if final.name == "data_2.ckpt":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(final, tensors, file_format)
+        return real(final, tensors)
 
     monkeypatch.setattr(extraction, "save_atomic", save_atomic)
     with pytest.raises(StorageError, match="No space left"):
