@@ -176,10 +176,11 @@ def _finished(xl: xlm.ExtractionLedger, shards: list[xlm.ShardState],
               out: Path) -> int:
     results = xl.done()
     dead_samples = sum(int(results[s.path].get("failed", 0)) for s in done)
+    left_out = sum(int(results[s.path].get("skipped_overlong", 0)) for s in done)
     print(f"extraction finished: {len(done)}/{len(shards)} shards, "
           f"{sum(s.samples for s in done):,} samples, {sum(s.tokens for s in done):,} tokens "
-          f"in {seconds:.0f}s; {dead_samples} samples and {len(dead)} shards dead-lettered; "
-          f"files under {out}")
+          f"in {seconds:.0f}s; {left_out} samples left out by train_max_length; "
+          f"{dead_samples} samples and {len(dead)} shards dead-lettered; files under {out}")
     if dead or dead_samples:
         print(f"reasons in {out}/dead_letters.jsonl; `datagen extract` retries dead shards")
         return EXIT_INCOMPLETE

@@ -79,7 +79,8 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     settings = stack.configure(
         data_dir=str(make_partition(stack.tmp)[0]), long_threshold_tokens=4000,
         short_max_tokens=64, model_path=str(model_dir), extract_dtype="float32",
-        extract_batch_tokens=1024, shard_samples=8, extract_retry_countdown_s=0.1)
+        extract_batch_tokens=1024, shard_samples=8, extract_retry_countdown_s=0.1,
+        train_max_length=16384)  # every sample fits: each record has its file
     short = stack.worker("short")
     stack.worker("gpu")
     stack.wait_workers(2)
@@ -109,8 +110,14 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     conversations = (training_dir(out) / "conversations.jsonl").read_text().splitlines()
     assert len(conversations) == 30
 
+    # And: it ends with the handoff SpecForge trains on and the command line; so does status
+    run_config = (folder / "specforge_train.json").resolve()
+    assert f"train: specforge train --config {run_config}" in capsys.readouterr().out
+    assert (folder / "vocab_mapping.pt").is_file() and (folder / "draft_config.json").is_file()
+    assert datagen(monkeypatch, stack, "status") == 0
+    assert f"specforge train --config {run_config}" in capsys.readouterr().out
+
     # And: a second extract finds every shard done and enqueues nothing
-    capsys.readouterr()
     assert datagen(monkeypatch, stack, "extract") == 0
     assert "nothing to enqueue" in capsys.readouterr().out
     r = connect(stack.redis_url)
