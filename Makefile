@@ -63,6 +63,9 @@ prepare: install ## merge, dedup, shuffle and shard the records into training/ (
 extract: install ## enqueue hidden-state extraction of every shard not done, follow progress
 	$(DATAGEN) extract $(CFG)
 
+handoff: install ## (re)write vocab_mapping.pt, draft + SpecForge run config; print `specforge train`
+	$(DATAGEN) handoff $(CFG)
+
 estimate: install ## extraction disk bytes and hours, with the arithmetic (ARGS="--gpus 8")
 	$(DATAGEN) estimate $(CFG) $(ARGS)
 
@@ -106,5 +109,5 @@ clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-ledger bench-memory \
+	extract handoff estimate calibrate recover metrics plot up up-sim down bench bench-load bench-ledger bench-memory \
 	clean

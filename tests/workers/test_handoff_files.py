@@ -123,18 +123,36 @@ def test_draft_and_run_config_name_what_was_extracted(extracted, model_dir):
     assert handoff.existing(folder) and "specforge train --config" in handoff.existing(folder)
 
 
-@pytest.mark.skipif(not os.environ.get("DATAGEN_SPECFORGE_SRC"),
-                    reason="DATAGEN_SPECFORGE_SRC (a SpecForge checkout) not set")
-def test_run_config_validates_with_specforges_own_schema(extracted, model_dir):
+SPECFORGE_SRC = os.environ.get("DATAGEN_SPECFORGE_SRC", "")
+
+
+@pytest.mark.skipif(not SPECFORGE_SRC, reason="DATAGEN_SPECFORGE_SRC (a SpecForge checkout) "
+                                              "not set")
+def test_specforges_own_code_reads_the_handoff(extracted, model_dir, monkeypatch):
+    """With SpecForge's source at hand: its schema validates the run config, its offline
+    counter gives the counts (and order) the shards gathered, its target-head loader loads
+    the tiny model through the index."""
     _, _, folder, names = extracted
     made = handoff.write_handoff(folder, names, str(model_dir), 50, MAX_LENGTH)
-    path = Path(os.environ["DATAGEN_SPECFORGE_SRC"], "specforge", "config", "schema.py")
+    path = Path(SPECFORGE_SRC, "specforge", "config", "schema.py")
     spec = importlib.util.spec_from_file_location("specforge_schema", path)
     schema = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = schema  # pydantic resolves the annotations through it
     spec.loader.exec_module(schema)
     cfg = schema.Config.from_file(str(made.run_config))
     assert cfg.mode == "offline" and cfg.data.max_length == MAX_LENGTH
+
+    monkeypatch.syspath_prepend(SPECFORGE_SRC)
+    from specforge.modeling.target.target_head import TargetHead
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    theirs = count_effective_feature_tokens(str(folder), max_length=MAX_LENGTH,
+                                            target_vocab_size=VOCAB)
+    ours = vm.merge_counts(vm.read_shard_counts(folder / vm.COUNTS_DIR / f"{n}.json")[0]
+                           for n in names)
+    assert list(theirs.items()) == list(ours.items())
+    head = TargetHead.from_pretrained(str(model_dir))
+    assert tuple(head.fc.weight.shape) == (VOCAB, HIDDEN)
 
 
 def test_online_rows_are_the_files_input_ids_and_loss_masks(extracted):
