@@ -7,7 +7,6 @@ torch (``calibrate`` is the exception: it runs the model on this machine, by des
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import redis
 
 from config.settings import Settings
-from datagen import handoff, training_set
+from datagen import draft_config, handoff, training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.extraction import ledger as xlm
 from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
@@ -65,8 +64,7 @@ def model_shape(model_path: str) -> tuple[int, int]:
     """(hidden_size, num_hidden_layers) from a local model's config.json."""
     if not model_path:
         raise ValueError("model_path is not set: set it, or pass --hidden-size/--num-layers")
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    config = config.get("text_config", config)  # multimodal checkpoints nest the LM's config
+    config = draft_config.text_config(draft_config.read_target_config(model_path))
     return int(config["hidden_size"]), int(config["num_hidden_layers"])
 
 
