@@ -34,17 +34,25 @@ TRAIN_DTYPE = "bfloat16"      # SpecForge trains in bf16; float32 files break it
 
 # -- the length rule (datagen prepare reports it, extraction applies it) ---------------------
 
-def kept_length(n_prompt: int, n_total: int, max_length: int, overlong: str
-                ) -> tuple[int, str]:
+Spans = Sequence[Sequence[int]]  # [start, end) of each generated turn; () = one, after the prompt
+
+
+def _spans(n_prompt: int, n_total: int, spans: Spans) -> Spans:
+    return spans or ((n_prompt, n_total),)
+
+
+def kept_length(n_prompt: int, n_total: int, max_length: int, overlong: str,
+                spans: Spans = ()) -> tuple[int, str]:
     """(tokens kept, "") or (0, why the sample is dropped).
 
     SpecForge cuts every sample at ``data.max_length`` and zeroes the loss of its last
-    position (nothing follows it), so a sample trains on something only when at least two
-    response tokens survive the cut."""
+    position (nothing follows it), so a sample trains on something only when a loss position
+    other than the last survives the cut."""
     if n_total > max_length and overlong == "skip":
         return 0, f"{n_total} tokens > train_max_length {max_length}"
     kept = min(n_total, max_length)
-    if kept - n_prompt < 2:
+    trained = sum(max(0, min(b, kept - 1) - a) for a, b in _spans(n_prompt, n_total, spans))
+    if trained < 1:
         return 0, (f"no trainable token within train_max_length {max_length} "
                    f"(prompt {n_prompt}, response {n_total - n_prompt} tokens)")
     return kept, ""
@@ -59,8 +67,9 @@ class LengthCount:
     cut: int = 0              # samples truncated at the limit
     cut_tokens: int = 0       # tokens cut off their ends
 
-    def add(self, n_prompt: int, n_total: int, max_length: int, overlong: str) -> int:
-        kept, _ = kept_length(n_prompt, n_total, max_length, overlong)
+    def add(self, n_prompt: int, n_total: int, max_length: int, overlong: str,
+            spans: Spans = ()) -> int:
+        kept, _ = kept_length(n_prompt, n_total, max_length, overlong, spans)
         if not kept:
             self.dropped += 1
             self.dropped_tokens += n_total
@@ -79,21 +88,27 @@ def length_counts(samples: Iterable[tuple[str, int, int]], max_length: int, over
     return out
 
 
-def loss_mask(n_prompt: int, length: int) -> list[int]:
-    return [0] * min(n_prompt, length) + [1] * max(0, length - n_prompt)
+def loss_mask(n_prompt: int, length: int, spans: Spans = ()) -> list[int]:
+    """1 on the generated tokens (each span's, or all after the prompt), cut at ``length``."""
+    mask = [0] * length
+    for a, b in _spans(n_prompt, length, spans):
+        mask[a:min(b, length)] = [1] * max(0, min(b, length) - a)
+    return mask
 
 
-def online_row(record: dict[str, Any], max_length: int, overlong: str) -> str | None:
+def online_row(record: dict[str, Any], max_length: int, overlong: str,
+               spans: Spans = ()) -> str | None:
     """The pre-tokenized row SpecForge's online prompt builder takes as is
     (``data.prompts_path``): the same ``input_ids``/``loss_mask`` as the sample's .ckpt file,
     or None when the length rule drops the sample."""
     prompt, output = record["prompt_ids"], record["output_ids"]
-    kept, _ = kept_length(len(prompt), len(prompt) + len(output), max_length, overlong)
+    n_total = len(prompt) + len(output)
+    kept, _ = kept_length(len(prompt), n_total, max_length, overlong, spans)
     if not kept:
         return None
     ids = (prompt + output)[:kept]
     return json.dumps({"id": str(record["id"]), "dataset": record["dataset"], "input_ids": ids,
-                       "loss_mask": loss_mask(len(prompt), kept)},
+                       "loss_mask": loss_mask(len(prompt), kept, spans)},
                       separators=(",", ":"), ensure_ascii=False) + "\n"
 
 

@@ -12,7 +12,7 @@ from specforge_a6b6b02 import reference_mappings
 from config.settings import SettingsError, load_settings
 from datagen import draft_config as dc
 from datagen import vocab_mapping as vm
-from datagen.handoff import LengthCount, kept_length, online_row
+from datagen.handoff import LengthCount, kept_length, loss_mask, online_row
 
 
 def tied_counter(rng: random.Random, n_tokens: int, vocab: int) -> Counter:
@@ -182,3 +182,12 @@ def test_renamed_and_removed_settings_fail_with_their_new_name(tmp_path):
         load_settings(env={"DATAGEN_EXTRACT_MAX_LENGTH_TOKENS": "4096"})
     assert load_settings(env={}).train_max_length == 2048
     assert load_settings(env={}).draft_vocab_size == 32000
+
+
+def test_length_rule_and_mask_with_several_generated_turns():
+    # prompt 0-5, turn 1 at [5, 8), the template between turns [8, 12), turn 2 at [12, 20)
+    spans = [(5, 8), (12, 20)]
+    assert kept_length(5, 20, 10, "truncate", spans) == (10, "")
+    assert kept_length(5, 20, 6, "truncate", spans)[0] == 0  # position 5 is the last kept
+    assert loss_mask(5, 10, spans) == [0] * 5 + [1] * 3 + [0] * 2
+    assert loss_mask(5, 20) == [0] * 5 + [1] * 15
