@@ -69,6 +69,9 @@ prepare: install ## merge, dedup, shuffle and shard the records into training/ (
 extract: install ## enqueue hidden-state extraction of every shard not done, follow progress
 	$(DATAGEN) extract $(CFG)
 
+handoff: install ## (re)write vocab_mapping.pt, draft + SpecForge run config; print `specforge train`
+	$(DATAGEN) handoff $(CFG)
+
 estimate: install ## extraction disk bytes and hours, with the arithmetic (ARGS="--gpus 8")
 	$(DATAGEN) estimate $(CFG) $(ARGS)
 
@@ -117,5 +120,5 @@ clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-ledger bench-memory \
-	lock clean
+	extract handoff estimate calibrate recover metrics plot up up-sim down bench bench-load \
+	bench-ledger bench-memory lock clean

@@ -12,12 +12,14 @@ from cli.extraction import (
     cmd_calibrate,
     cmd_estimate,
     cmd_extract,
+    cmd_handoff,
     cmd_prepare,
     require_model_path,
 )
 from cli.output import merge_all, print_json, print_summary, render_produce
 from config.settings import Settings, settings_fields
 from datagen import dead as dead_mod
+from datagen import handoff
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
 from datagen.generation.follower import follow
@@ -26,10 +28,11 @@ from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
 from datagen.generation.merge import datasets_on_disk
+from datagen.training_set import extraction_dir
 
 EXIT_BAD_INPUT = 3
 # The extraction phase's subcommands live in cli/extraction.py; main dispatches through here.
-__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_prepare"]
+__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_handoff", "cmd_prepare"]
 
 
 def _ledger(settings: Settings) -> Ledger:
@@ -57,6 +60,9 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     if not args.watch:
         print(status_mod.render(status_mod.rows(ledger)))
+        ready = handoff.existing(extraction_dir(settings))
+        if ready:  # a finished extraction: where to train from
+            print(ready)
         return 0
     follow(ledger, args.interval, until_finished=False)
     return 0

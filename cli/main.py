@@ -118,6 +118,8 @@ def _parser() -> argparse.ArgumentParser:
         "prepare": "merge, filter, deduplicate, shuffle and shard the records into the "
                    "training set",
         "extract": "enqueue hidden-state extraction of every shard not done, follow progress",
+        "handoff": "write vocab_mapping.pt, the draft config and the SpecForge run config "
+                   "next to the extracted files, and print the `specforge train` line",
         "estimate": "disk bytes and hours of hidden-state extraction, with the arithmetic",
         "calibrate": "measure extraction tokens/s on this machine's device and store it",
     }

@@ -29,7 +29,12 @@ BUDGET_MEASURES = ("completion", "total")
 REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
-EXTRACT_FORMATS = ("ckpt", "safetensors")
+
+
+RENAMED = {"extract_max_length_tokens": "train_max_length"}
+# Removed, and why (docs/DESIGN.md): a TOML or environment that still sets one fails loudly.
+REMOVED = {"extract_file_format": "SpecForge reads only .ckpt files; the safetensors variant "
+                                  "matched no trainer's contract"}
 
 
 class SettingsError(ValueError):
@@ -105,15 +110,17 @@ class Settings:
     extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states
     extract_device: str = "auto"  # "auto": cuda when there is one (CUDA_VISIBLE_DEVICES)
     extract_attn_implementation: str = "sdpa"  # transformers attn_implementation
-    extract_max_length_tokens: int = 16384  # longer samples: extract_overlong decides
+    # SpecForge's data.max_length (its default 2048): the files, the online rows and the run
+    # config all use it, so the trainer never cuts or drops what was extracted.
+    train_max_length: int = 2048  # tokens per sample kept; longer: extract_overlong decides
     extract_overlong: str = "truncate"  # "truncate" keeps the first tokens, "skip" drops
     extract_batch_tokens: int = 32768  # tokens per forward batch (the unit of OOM splitting)
-    extract_file_format: str = "ckpt"  # "ckpt" (SpecForge) or "safetensors"
     extract_writer_threads: int = 4  # threads writing files while the next batch runs
     extract_max_retries: int = 2  # whole-shard failures: Celery retries, then dead-letter
     extract_retry_countdown_s: float = 30.0  # wait before a shard's retry
     extraction_dir: str = ""  # "": <output_dir>/training/hidden_states
     calibration_path: str = ""  # "": <output_dir>/calibration.json
+    draft_vocab_size: int = 32000  # draft vocabulary of vocab_mapping.pt (capped at the target's)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -133,8 +140,8 @@ class Settings:
         for name, budget in self.budgets.items():
             if not isinstance(budget, int) or budget < 0:
                 raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
-        _positive(self, "shard_samples", "extract_max_length_tokens", "extract_batch_tokens",
-                  "extract_writer_threads")
+        _positive(self, "shard_samples", "train_max_length", "extract_batch_tokens",
+                  "extract_writer_threads", "draft_vocab_size")
         self._check_extraction()
         for url_field in ("redis_url", "server_url"):
             if "://" not in getattr(self, url_field):
@@ -143,8 +150,7 @@ class Settings:
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
-                              ("extract_overlong", EXTRACT_OVERLONG),
-                              ("extract_file_format", EXTRACT_FORMATS)):
+                              ("extract_overlong", EXTRACT_OVERLONG)):
             if getattr(self, name) not in allowed:
                 raise SettingsError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
         if self.extract_max_retries < 0 or self.extract_retry_countdown_s < 0:
@@ -291,6 +297,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path}: {exc}") from exc
     known = {f.name for f in fields(Settings)}
+    for old, new in RENAMED.items():
+        if old in raw:
+            raise SettingsError(f"config file {path}: {old} is now {new} (one limit for the "
+                                "extraction and the trainer's max_length)")
+    for old, why in REMOVED.items():
+        if old in raw:
+            raise SettingsError(f"config file {path}: {old} was removed: {why}")
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
@@ -299,6 +312,12 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for old, new in RENAMED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise SettingsError(f"{ENV_PREFIX}{old.upper()} is now {ENV_PREFIX}{new.upper()}")
+    for old, why in REMOVED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise SettingsError(f"{ENV_PREFIX}{old.upper()} was removed: {why}")
     for name, kind in _field_types().items():
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from conftest import Stack, wait_until, write_jsonl
 
+from datagen.extraction.files import prepare as prepare_sample
+from datagen.extraction.files import sample_tensors
 from datagen.generation.follower import follow
 from datagen.generation.records import iter_records, records_dir
 from datagen.generation.turns import turn_rid
@@ -16,8 +18,6 @@ from datagen.training_set import prepare
 from producers.producer import Producer
 from simulator.config import SimulatorConfig
 from simulator.lengths import output_sha, plan_output
-from workers.extraction_io import prepare as prepare_sample
-from workers.extraction_io import sample_tensors
 
 MAX_NEW = 24
 
