@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 install: $(VENV)/.installed ## create .venv and install the project with its test tools
 
 demo: install ## run the whole pipeline on the bundled demo partition (no GPU, no Redis needed)
-	$(DATAGEN) demo
+	$(DATAGEN) demo $(ARGS)
 
 test: install ## run the whole test suite (starts its own Redis, simulator and workers)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -55,6 +55,7 @@ COMMAND_FLAGS: dict[str, tuple[str, ...]] = {
     "plot": (*LEDGER_FLAGS, "--output-dir", "--token-budget", "--budget-counts"),
     "prepare": (*LEDGER_FLAGS, "--output-dir", "--tokenizer"),
     "extract": (*LEDGER_FLAGS, "--output-dir"),
+    "handoff": (*LEDGER_FLAGS, "--output-dir"),
     "estimate": (*LEDGER_FLAGS, "--output-dir", "--token-budget"),
     "calibrate": ("--output-dir",),
     "demo": (),

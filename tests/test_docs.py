@@ -206,3 +206,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             pass
         time.sleep(2 if sig == signal.SIGTERM else 0)
+
+
+@pytest.mark.slow
+def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
+    # The README's first command, as written (its folder moved to a temporary one)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    work = tmp_path / "demo"
+    result = subprocess.run(["make", "demo", f"ARGS=--workdir {work}"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "demo finished" in result.stdout and "specforge train" in result.stdout
+    extracted = list((work / "output" / "training" / "hidden_states").rglob("data_*.ckpt"))
+    assert extracted, result.stdout[-2000:]
+    assert (work / "output" / "training" / "hidden_states" / "vocab_mapping.pt").is_file()
