@@ -11,9 +11,9 @@ server, which is what keeps each server within its share of the workers' concurr
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from test_budget import allowed_overshoot, close_times, produce_and_wait, record
 from cli.stack import Process
 from datagen.client import Generation, SGLangClient, new_rid, rid_prefix
 from datagen.redis_server import free_port
+from producers.producer import Producer
 
 # The router settings DEPLOY.md gives: shortest queue by the router's own count.
 ROUTER_POLICY = ["--policy", "cache_aware", "--balance-abs-threshold", "0",
@@ -61,19 +62,24 @@ def start_router(stack: Stack, servers: list[str], *args: str) -> Routed:
     return Routed(url, servers, proc)
 
 
-@pytest.fixture
-def routed(stack: Stack) -> Iterator[Routed]:
+def start_routed(stack: Stack, *simulator_args: str) -> Routed:
+    """Two simulators behind the router, which becomes the run's server_url."""
     # The simulators name the tiny tokenizer as their model, so the router loads it from
     # disk instead of looking the model up on the Hugging Face hub.
     servers = [stack.start_simulator("--max-running-requests", str(SERVER_LIMIT),
                                      "--mean-output-tokens", "200", "--sigma", "0.8",
                                      "--decode-step-s", "0.004", "--context-length", str(ctx),
                                      "--model-path", str(stack.tokenizer_dir),
-                                     name=f"sim-{i}")
+                                     *simulator_args, name=f"sim-{i}")
                for i, ctx in enumerate(CONTEXTS)]
     router = start_router(stack, servers, *ROUTER_POLICY)
-    stack.sim_url = router.url  # server_url of the run
-    yield router
+    stack.sim_url = router.url
+    return router
+
+
+@pytest.fixture
+def routed(stack: Stack) -> Routed:
+    return start_routed(stack)
 
 
 def journal(server: str) -> list[dict[str, Any]]:
@@ -186,3 +192,33 @@ def test_abort_on_close_through_the_router_stops_the_requests_on_every_server(
     stored = records(settings, "B1")
     assert stored and all(r["finish_reason"]["type"] != "abort" for r in stored)
     assert snap["in_flight"] == 0
+
+
+def test_a_stopping_worker_behind_the_router_aborts_its_requests_on_their_servers(
+        stack: Stack) -> None:
+    # Given: a worker with requests in flight on both servers that outlast its 1 s grace
+    routed = start_routed(stack, "--lengths", "fixed:2500", "--decode-step-s", "0.01")
+    write_jsonl(stack.tmp / "partition" / "B1.jsonl",
+                [{"id": f"B1-{i}", "prompt": f"Describe case {i}"} for i in range(12)])
+    settings = stack.configure(data_dir=str(stack.tmp / "partition"),
+                               short_concurrency=2 * SERVER_LIMIT, short_max_tokens=3000,
+                               token_budget=10**7, shutdown_grace_s=1.0,
+                               context_length=min(CONTEXTS))
+    worker = stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: len(ledger.in_flight("B1")) == 2 * SERVER_LIMIT, 60,
+               what="both servers' share in flight")
+    rids = {e["rid"] for s in routed.servers for e in of_dataset(journal(s), "B1", "start")}
+
+    # When: it gets SIGTERM
+    worker.signal(signal.SIGTERM)
+    worker.proc.wait(timeout=60)
+
+    # Then: every request it had open was aborted on the server running it, and their
+    # samples are back in the ledger's hands, none half-stored
+    aborted = {e["rid"] for s in routed.servers for e in of_dataset(journal(s), "B1", "abort")}
+    assert rids and aborted == rids
+    assert ledger.in_flight("B1") == {}
+    assert records(settings, "B1") == []
