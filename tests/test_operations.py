@@ -139,6 +139,8 @@ def test_status_json_equals_the_ledger(stack: Stack) -> None:
         assert rows[name]["in_flight"] == snap["in_flight"] == 0
     assert rows["B1"]["state"] == "done" and rows["B1"]["samples"] == 8
     assert rows["B2"]["state"] == "closed at budget"
+    # a closed dataset's dropped tasks count as revoked, not as still queued
+    assert rows["B2"]["queued"] == 0 and rows["B2"]["waiting"] == 0
     table = subprocess.run([sys.executable, "-m", "cli.main", "status"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=60)
     assert "closed at budget" in table.stdout and "total" in table.stdout
