@@ -27,14 +27,15 @@ from typing import Any
 import torch
 
 from datagen.errors import StorageError
+from datagen.extraction import backends
 from datagen.extraction.backends.hf import (
     DTYPES,
-    RowRunner,
-    load_model,
+    HFBackend,
+    aux_ids_for,
     packing_isolated,
     resolve_device,
 )
-from datagen.extraction.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
+from datagen.extraction.estimate import DTYPE_BYTES, check_disk
 from datagen.extraction.files import (
     Rejected,
     Sample,
@@ -74,10 +75,11 @@ class ExtractionConfig:
     max_pending_writes: int = 8
     check_free_space: bool = True
     force: bool = False          # write even when the disk check says it will not fit
+    backend: str = "hf"          # backends.NAMES
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"),
-                   "file_format": ("ckpt", "safetensors")}
+                   "file_format": ("ckpt", "safetensors"), "backend": backends.NAMES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
@@ -124,28 +126,33 @@ class _ShardRun:
 
 
 class Extractor:
-    def __init__(self, cfg: ExtractionConfig, model: Any | None = None):
+    def __init__(self, cfg: ExtractionConfig, model: Any | None = None,
+                 backend: Any | None = None):
+        """The model comes from ``backend`` (a base.Backend, e.g. a replica's leader), else
+        ``model`` (already built; the `hf` backend wraps it), else cfg.backend loads it."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if model is not None and cfg.device == "auto":  # an already-built model stays put
             self.device = next(model.parameters()).device
         self.dtype = DTYPES[cfg.dtype]
-        if model is None:
-            model = load_model(cfg.model_path, cfg.dtype, self.device,
-                               cfg.attn_implementation, cfg.trust_remote_code)
-        self.model = model.eval()
-        n_layers = int(model.config.num_hidden_layers)
-        self.aux_layer_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(n_layers))
-        self.runner = RowRunner(model, self.aux_layer_ids, self.device)
-        self.hidden_size = self.runner.hidden
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        if backend is None and model is not None:
+            backend = HFBackend(model.eval(), aux_ids_for(model, cfg.aux_layer_ids),
+                                self.device)
+        if backend is None:
+            backend = backends.create(cfg.backend, cfg, self.device)
+        self.runner = backend
+        self.device = backend.device
+        self.model = getattr(backend, "model", None)
+        self.aux_layer_ids = tuple(backend.aux_layer_ids)
+        self.hidden_size = backend.hidden
+        self.vocab_size = backend.vocab_size
         self.pack_tokens = self._check_packing(cfg.resolved_pack_tokens())
-        self.staging = HostStaging(self.device, self.runner.width, self.dtype,
+        self.staging = HostStaging(self.device, backend.width, self.dtype,
                                    max(cfg.batch_tokens, cfg.max_length))
         self.writer = AsyncWriter(cfg.writer_threads, cfg.max_pending_writes)
-        log.info("extractor ready: H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
-                 self.hidden_size, list(self.aux_layer_ids), n_layers, cfg.dtype, self.device,
-                 self.pack_tokens)
+        log.info("extractor ready (%s): H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
+                 cfg.backend, self.hidden_size, list(self.aux_layer_ids), backend.num_layers,
+                 cfg.dtype, self.device, self.pack_tokens)
 
     @classmethod
     def from_model(cls, model: Any, cfg: ExtractionConfig) -> Extractor:
@@ -153,6 +160,8 @@ class Extractor:
         return cls(cfg, model=model)
 
     def _check_packing(self, pack_tokens: int) -> int:
+        if not self.runner.packs:
+            return 0
         if pack_tokens <= 1 or packing_isolated(self.runner, self.vocab_size, self.dtype):
             return pack_tokens
         log.warning("this model/attention (%s) does not isolate packed samples: one row per "
@@ -161,7 +170,7 @@ class Extractor:
 
     def close(self) -> None:
         self.writer.close()
-        self.runner.capture.remove()
+        self.runner.close()
 
     def __enter__(self) -> Extractor:
         return self
