@@ -19,6 +19,7 @@ from config.settings import Settings
 from datagen import training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.extraction import ledger as xlm
+from datagen.extraction import runner
 from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
@@ -80,6 +81,30 @@ def require_model_path(settings: Settings) -> None:
                          "transformers model folder is needed)")
 
 
+def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
+    """`datagen worker gpu --gpus 0-7`: a replica over N ranks (None: the one-device worker,
+    as before). Refuses to start, with one line, when the devices are not there."""
+    from datagen.extraction import replica  # noqa: PLC0415 (no torch until a check needs it)
+
+    for name in ("gpus", "extract_backend"):
+        if getattr(args, name, None):
+            settings = settings.replace(**{name: getattr(args, name)})
+            os.environ[f"DATAGEN_{name.upper()}"] = getattr(args, name)  # for the ranks
+    devices = replica.parse_gpus(settings.gpus) if settings.gpus else None
+    if devices is None:
+        if settings.extract_backend != "hf":
+            devices = replica.parse_gpus("0" if replica.visible_cuda_devices() else "cpu:1")
+        else:
+            return None
+    replica.check_start(settings, devices)
+    if not replica.is_replica(settings, devices):
+        if devices.kind == "cuda":  # one GPU with `hf`: the one-device worker on it
+            os.environ["CUDA_VISIBLE_DEVICES"] = replica.rank_env(
+                devices, 0, 0, dict(os.environ))["CUDA_VISIBLE_DEVICES"]
+        return None
+    return replica.launch(devices, list(args.celery_args or []))
+
+
 def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     require_model_path(settings)
     manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
@@ -99,17 +124,18 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)
     for s in send:
-        app.send_task(EXTRACT_TASK, kwargs={"shard": s.path}, queue=xlm.GPU_QUEUE)
+        runner.send_shard(app, s.path)
     print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
           f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
           flush=True)
     if args.no_wait:
         return 0
-    return follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+    return follow_extraction(xl, app, shards, args.interval, args.timeout_s, out, settings)
 
 
 def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.ShardState],
-                      interval: float, timeout_s: float | None, out: Path) -> int:
+                      interval: float, timeout_s: float | None, out: Path,
+                      settings: Settings) -> int:
     """Print progress until every shard is done or dead-lettered; re-send lost shards."""
     started = time.monotonic()
     first = last_line = None
@@ -126,6 +152,8 @@ def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.Shard
             print(_extract_line(len(done), len(shards), tokens, shards, first, now - started),
                   flush=True)
         nowhere_since = _resend_lost(xl, app, todo, nowhere_since, now)
+        # with every gpu worker down, their shards are still handed back
+        runner.reap(settings, xl, lambda shard, retry: runner.send_shard(app, shard, retry))
         if timeout_s is not None and now - started > timeout_s:
             raise TimeoutError(f"extraction not finished after {timeout_s:.0f}s")
         time.sleep(interval)
@@ -138,7 +166,7 @@ def _resend_lost(xl: xlm.ExtractionLedger, app: Any, todo: list[xlm.ShardState],
     since = {s.path: nowhere_since.get(s.path, now) for s in xlm.nowhere(todo, xl, EXTRACT_TASK)}
     for path, first_seen in list(since.items()):
         if now - first_seen > LOST_AFTER_S:
-            app.send_task(EXTRACT_TASK, kwargs={"shard": path}, queue=xlm.GPU_QUEUE)
+            runner.send_shard(app, path, retry=True)
             print(f"{path}: not done, not running, not queued: enqueued again", flush=True)
             del since[path]
     return since

@@ -99,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     parsers["budget"].add_argument("dataset", nargs="?")
     parsers["budget"].add_argument("tokens", nargs="?", type=int)
     parsers["worker"].add_argument("queue", choices=("short", "long", "gpu"))
+    parsers["worker"].add_argument("--gpus", help="gpu: one replica's devices, 0-7 or cpu:2 "
+                                                  "(the gpus setting)")
+    parsers["worker"].add_argument("--backend", dest="extract_backend",
+                                   choices=("hf", "hf-tp", "sglang"),
+                                   help="gpu: the extract_backend setting")
     # Celery's own options (-n, --loglevel, ...) may follow; settings flags work anywhere.
     parsers["flower"].add_argument("--port", type=int, default=5555)
     parsers["flower"].add_argument("--address", default="127.0.0.1")

@@ -114,7 +114,7 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     assert datagen(monkeypatch, stack, "extract") == 0
     assert "nothing to enqueue" in capsys.readouterr().out
     r = connect(stack.redis_url)
-    assert r.llen(xlm.GPU_QUEUE) == 0 and r.hlen(xlm.DONE) == 4
+    assert xlm.ExtractionLedger(r).queue_length() == 0 and r.hlen(xlm.DONE) == 4
 
     # And: a shard that cannot be read is retried, then dead-lettered; one outside the output
     # folder is dead-lettered at once; the queue moves on
@@ -206,14 +206,14 @@ def test_extract_refuses_without_disk_room_and_never_enqueues_a_queued_shard_twi
     assert datagen(monkeypatch, stack, "extract", "--no-wait") == 2
     err = capsys.readouterr().err
     assert "datagen extract: error: need" in err and "GB free at" in err and "--force" in err
-    assert r.llen(xlm.GPU_QUEUE) == 0
+    assert xlm.ExtractionLedger(r).queue_length() == 0
 
     # --force enqueues every shard once; a second run finds them queued and sends nothing
     assert datagen(monkeypatch, stack, "extract", "--no-wait", "--force") == 0
     assert datagen(monkeypatch, stack, "extract", "--no-wait", "--force") == 0
     out = capsys.readouterr().out
     assert "3 shards enqueued" in out and "0 shards enqueued, 3 already queued" in out
-    assert r.llen(xlm.GPU_QUEUE) == 3
+    assert xlm.ExtractionLedger(r).queue_length() == 3
     assert xlm.ExtractionLedger(r).queued(EXTRACT_TASK) == {
         f"training/shards/shard_0000{i}.jsonl" for i in range(3)}
 
