@@ -45,8 +45,8 @@ workers: install ## start a short and a long worker (concurrency from the settin
 	@$(DATAGEN) worker short $(CFG) & s=$$!; $(DATAGEN) worker long $(CFG) & l=$$!; \
 	wait -n $$s $$l; code=$$?; kill $$s $$l 2>/dev/null; wait; exit $$code
 
-worker-gpu: install ## start one extraction worker (set CUDA_VISIBLE_DEVICES per GPU)
-	$(DATAGEN) worker gpu $(CFG)
+worker-gpu: install ## start one extraction replica (GPUS=0-7 spans 8 GPUs; BACKEND=hf-tp)
+	$(DATAGEN) worker gpu $(CFG) $(if $(GPUS),--gpus $(GPUS)) $(if $(BACKEND),--backend $(BACKEND))
 
 flower: install ## start Flower with authentication (flower_basic_auth setting)
 	$(DATAGEN) flower $(CFG)

@@ -8,6 +8,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import torch
 from conftest import Stack, wait_until
 from test_extraction_e2e import datagen, manifest_idxs, shard_records, synthetic_records
 
+from cli.stack import REPO, child_env
 from datagen.extraction import ledger as xlm
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.generation.ledger import connect
@@ -176,3 +179,21 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
     assert len(done) == 4 and not r.hlen(xlm.RUNNING)
     assert sum(e["samples"] for e in done.values()) == len(samples)
     assert done[killed_shard]["skipped_done"] > 0  # the samples A finished were not redone
+
+
+def test_a_replica_refuses_to_start_with_one_line(stack: Stack, tmp_path: Path) -> None:
+    model = build("llama", tmp_path / "model", stack.encoder.vocab_size)
+    cases = [  # (settings, what the one line must say)
+        ({"model_path": str(model), "gpus": "0-7", "extract_backend": "hf-tp"},
+         "gpus='0-7' asks for device 7 but 0 CUDA devices are visible"),
+        ({"model_path": str(model), "gpus": "cpu:2"}, "runs on one device: use hf-tp"),
+        ({"model_path": str(model), "gpus": "0-x"}, "expected device ids like 0-7"),
+        ({"model_path": "", "gpus": "cpu:2", "extract_backend": "hf-tp"}, "model_path"),
+    ]
+    for values, says in cases:
+        stack.configure(server_url="http://127.0.0.1:9", **values)
+        result = subprocess.run([sys.executable, "-m", "cli.main", "worker", "gpu"], cwd=REPO,
+                                env=child_env(stack.env), capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2, (values, result.stderr[-2000:])
+        assert says in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
