@@ -46,7 +46,7 @@ from datagen.extraction.files import (
     sample_tensors,
     save_atomic,
 )
-from datagen.extraction.manifest import Manifest, load_done, shard_name
+from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
@@ -154,6 +154,16 @@ class Extractor:
                  cfg.backend, self.hidden_size, list(self.aux_layer_ids), backend.num_layers,
                  cfg.dtype, self.device, self.pack_tokens)
 
+    def metadata(self) -> dict[str, Any]:
+        """What the files are (written to <extraction_dir>/extraction.json)."""
+        import os
+
+        return {"model_path": str(Path(self.cfg.model_path).resolve()) if self.cfg.model_path
+                else "", "aux_layer_ids": list(self.aux_layer_ids),
+                "num_layers": int(self.runner.num_layers), "hidden_size": self.hidden_size,
+                "dtype": self.cfg.dtype, "file_format": self.cfg.file_format,
+                "backend": self.cfg.backend, "ranks": int(os.environ.get("WORLD_SIZE", 1))}
+
     @classmethod
     def from_model(cls, model: Any, cfg: ExtractionConfig) -> Extractor:
         """Use an already-built model (benchmarks build random weights directly on the GPU)."""
@@ -244,6 +254,7 @@ class Extractor:
         run = _ShardRun(ShardResult(shard=str(shard_path)))
         todo = self._plan(shard_path, out_dir, run)
         if todo:
+            check_metadata(out_dir, self.metadata())
             run.manifest = Manifest(out_dir, shard_name(shard_path))
             try:
                 for batch in self._batches(todo):
