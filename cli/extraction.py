@@ -20,7 +20,13 @@ from datagen import training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.extraction import ledger as xlm
 from datagen.extraction import runner
-from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.extraction.estimate import (
+    DTYPE_BYTES,
+    PRESETS,
+    check_disk,
+    estimate,
+    load_calibration,
+)
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 
@@ -208,6 +214,9 @@ def _extract_line(n_done: int, n_shards: int, tokens: int, shards: list[Any], fi
 def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
     tokens, source = _planned_tokens(settings, args)
     hidden, layers = args.hidden_size, args.num_layers
+    if args.preset:
+        preset = PRESETS[args.preset]
+        hidden, layers = hidden or preset[0], layers or preset[1]
     if hidden is None or layers is None:
         shape = model_shape(settings.model_path)
         hidden, layers = hidden or shape[0], layers or shape[1]

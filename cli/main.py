@@ -132,6 +132,9 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
                      help="token count to plan for (repeat for several datasets)")
     est.add_argument("--budgeted", action="store_true",
                      help="plan for the budgets instead of the tokens done")
+    est.add_argument("--preset", choices=("kimi-k2.5", "kimi-k2", "deepseek-v3",
+                                          "llama-3.1-8b", "llama-3.1-70b"),
+                     help="the target's shape without its config.json (else model_path's)")
     est.add_argument("--hidden-size", type=int)
     est.add_argument("--num-layers", type=int)
     est.add_argument("--gpus", type=int, default=1)
