@@ -197,3 +197,22 @@ def test_a_replica_refuses_to_start_with_one_line(stack: Stack, tmp_path: Path) 
                                 timeout=120)
         assert result.returncode == 2, (values, result.stderr[-2000:])
         assert says in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
+
+
+def test_sigterm_stops_an_idle_replica_and_all_its_ranks_with_exit_0(stack: Stack, encoder: Any,
+                                                         tmp_path: Path) -> None:
+    # Given: an idle replica of 2 ranks
+    model_path = build("llama", tmp_path / "model", encoder.vocab_size)
+    stack.configure(server_url="http://127.0.0.1:9", model_path=str(model_path))
+    proc = replica(stack)
+    pids = rank_pids(proc)
+
+    # When: the launcher is sent SIGTERM (as a supervisor stops it)
+    os.kill(proc.pid, signal.SIGTERM)
+
+    # Then: rank 0 stops consuming, tells rank 1 to stop, and the replica exits 0
+    wait_until(lambda: not proc.alive(), 60, what="the replica stopped")
+    assert proc.proc.returncode == 0, proc.log_text()[-3000:]
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

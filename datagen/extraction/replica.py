@@ -152,15 +152,16 @@ def launch(devices: Devices, celery_args: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     first = _wait_first(procs)
     code = procs[first].returncode
-    # a rank that died takes the others down with it within moments: let them show it
-    _wait_all(procs, 60.0 if first == 0 and code == 0 else 1.0)
+    # a warm shutdown: rank 0 tells the others to stop, all exit 0 (in any order); a rank
+    # that died takes the others down with it within moments: let them show it
+    _wait_all(procs, 60.0 if code == 0 else 1.0)
     codes = [p.poll() for p in procs]
     for p in procs:
         if p.poll() is None:
             p.kill()
     for p in procs:
         p.wait()
-    if first == 0 and code == 0:  # warm shutdown: rank 0 told the others to stop
+    if all(c == 0 for c in codes):
         return 0
     log.error("replica stopped: %s; the shard it ran is re-run once its lease expires",
               ", ".join(f"rank {i} exited with {c}" if c is not None else
