@@ -67,8 +67,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 worker.stop()
             env.update(EXTRACT_ENV, DATAGEN_MODEL_PATH=str(workdir / "model"))
             os.environ.update(env)
+            _build_model(workdir, tokenizer, encoder.vocab_size)  # the gpu worker checks it
             procs.append(start_worker("gpu", child_env(env), logs))
-            return _extract(workdir, tokenizer, encoder.vocab_size, started)
+            return _extract(started)
         finally:
             if not args.keep:
                 for proc in reversed(procs):
@@ -93,7 +94,7 @@ def _produce_and_follow(started: float) -> int:
     return 0
 
 
-def _extract(workdir: Path, tokenizer: Path, vocab_size: int, started: float) -> int:
+def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
     from datagen.tiny_model import build_tiny_llama  # noqa: PLC0415 (torch)
 
     print("\nextraction: tiny random Llama as the target model, one gpu worker on the CPU",
@@ -102,6 +103,9 @@ def _extract(workdir: Path, tokenizer: Path, vocab_size: int, started: float) ->
 
     hf_logging.disable_progress_bar()
     build_tiny_llama(workdir / "model", vocab_size, tokenizer_dir=tokenizer)
+
+
+def _extract(started: float) -> int:
     settings = load_settings(DEMO_CONFIG)
     tset = prepare(settings, committed_maps(settings), decoder(settings))
     print(render(tset), flush=True)
