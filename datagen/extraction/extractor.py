@@ -6,11 +6,13 @@ for each shard of phase-1 records. Per sample it writes ``data_{idx}.ckpt`` =
 (see files.py for layout and crash safety, backends/hf.py for hooks and packing,
 pipeline.py for the overlap of compute, copies and writes).
 
-Batching: a shard's samples are sorted by length (longest first) and cut into batches of at most
-``batch_tokens`` tokens; a batch is the unit of retry and of one device->host copy. Inside a
-batch, consecutive samples share a row (one forward call, no padding) up to ``pack_tokens``.
-A failing batch (CUDA OOM or any error) is split in halves down to single samples; a single
-sample that still fails is reported in ``ShardResult.failures`` for the caller to dead-letter.
+Batching (batching.py): a shard's samples are sorted by length (longest first) and cut into
+batches of at most ``batch_tokens`` tokens; a batch is the unit of retry and of one
+device->host copy. Inside a batch, consecutive samples share a row (one forward call, no
+padding) up to ``pack_tokens``. A failing batch (CUDA OOM or any error) is split in halves
+down to single samples; a single sample that still fails is reported in
+``ShardResult.failures`` for the caller to dead-letter. In a replica of several ranks a failing
+forward ends the replica instead (replica.py): the ranks cannot skip a row in step.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from datagen.extraction.backends.hf import (
     packing_isolated,
     resolve_device,
 )
+from datagen.extraction.batching import length_batches, pack_rows
 from datagen.extraction.estimate import DTYPE_BYTES, check_disk
 from datagen.extraction.files import (
     Rejected,
@@ -191,18 +194,7 @@ class Extractor:
     # -- forward -------------------------------------------------------------------------
 
     def _rows(self, lengths: Sequence[int]) -> list[int]:
-        """Number of consecutive samples in each row (a row never exceeds pack_tokens
-        unless one sample alone does)."""
-        rows: list[int] = []
-        used = 0
-        for n in lengths:
-            if rows and used + n <= self.pack_tokens:
-                rows[-1] += 1
-                used += n
-            else:
-                rows.append(1)
-                used = n
-        return rows
+        return pack_rows(lengths, self.pack_tokens)
 
     def _forward_batch(self, id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         """[sum(L), 4H] on the device: per sample its rows, in order (aux low|mid|high|final)."""
@@ -302,17 +294,7 @@ class Extractor:
         return todo
 
     def _batches(self, samples: list[Sample]) -> list[list[Sample]]:
-        ordered = sorted(samples, key=lambda s: (-s.length, s.idx))
-        batches: list[list[Sample]] = []
-        used = 0
-        for s in ordered:
-            if batches and used + s.length <= self.cfg.batch_tokens:
-                batches[-1].append(s)
-                used += s.length
-            else:
-                batches.append([s])
-                used = s.length
-        return batches
+        return length_batches(samples, self.cfg.batch_tokens)
 
     def _run_batch(self, batch: list[Sample], run: _ShardRun) -> None:
         try:
