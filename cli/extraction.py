@@ -96,12 +96,9 @@ def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
         if getattr(args, name, None):
             settings = settings.replace(**{name: getattr(args, name)})
             os.environ[f"DATAGEN_{name.upper()}"] = getattr(args, name)  # for the ranks
-    devices = replica.parse_gpus(settings.gpus) if settings.gpus else None
+    devices = replica.devices_of(settings)
     if devices is None:
-        if settings.extract_backend != "hf":
-            devices = replica.parse_gpus("0" if replica.visible_cuda_devices() else "cpu:1")
-        else:
-            return None
+        return None
     replica.check_start(settings, devices)
     if not replica.is_replica(settings, devices):
         if devices.kind == "cuda":  # one GPU with `hf`: the one-device worker on it
@@ -308,6 +305,8 @@ def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
 
     if not settings.model_path:
         raise ValueError("model_path is not set (DATAGEN_MODEL_PATH, --config)")
+    if settings.gpus or settings.extract_backend != "hf":
+        return _calibrate_replica(settings, args)
     rate = calibrate(settings.model_path, args.seq_len, args.batches,
                      device=settings.extract_device, dtype=settings.extract_dtype)
     cuda = torch.cuda.is_available() and settings.extract_device != "cpu"
@@ -317,3 +316,22 @@ def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
     print(f"{rate:,.0f} tokens/s on {device} ({settings.extract_dtype}, {args.seq_len} tokens "
           f"x {args.batches}); stored in {path} for `datagen estimate`")
     return 0
+
+
+def _calibrate_replica(settings: Settings, args: argparse.Namespace) -> int:
+    """The same measurement on a whole replica (`gpus`, `extract_backend`): its ranks start
+    as `datagen worker gpu` starts them; rank 0 measures and stores instead of consuming."""
+    from datagen.extraction import replica  # noqa: PLC0415
+
+    devices = replica.devices_of(settings)
+    assert devices is not None  # gpus or a distributed backend is set
+    replica.check_start(settings, devices)
+    os.environ.update({replica.CALIBRATE_ENV: f"{args.seq_len},{args.batches}",
+                       "DATAGEN_CALIBRATION_PATH": calibration_file(settings)})
+    code = replica.launch(devices, [])
+    if code == 0:
+        cal = load_calibration(calibration_file(settings))
+        print(f"{cal.tokens_per_s:,.0f} tokens/s on {cal.device_name} ({settings.extract_dtype}, "
+              f"{args.seq_len} tokens x {args.batches}); stored in {calibration_file(settings)} "
+              "for `datagen estimate` (per replica)")
+    return code

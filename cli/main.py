@@ -137,8 +137,10 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
                      help="the target's shape without its config.json (else model_path's)")
     est.add_argument("--hidden-size", type=int)
     est.add_argument("--num-layers", type=int)
-    est.add_argument("--gpus", type=int, default=1)
-    est.add_argument("--tokens-per-s", type=float, help="per GPU (default: the calibration)")
+    est.add_argument("--gpus", type=int, default=1,
+                     help="gpu workers at once: GPUs, or replicas when calibrated on one")
+    est.add_argument("--tokens-per-s", type=float,
+                     help="per gpu worker (default: the calibration)")
     cal = parsers["calibrate"]
     cal.add_argument("--seq-len", type=int, default=4096)
     cal.add_argument("--batches", type=int, default=4)

@@ -222,3 +222,17 @@ def test_sigterm_stops_an_idle_replica_and_all_its_ranks_with_exit_0(stack: Stac
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_calibrate_measures_a_whole_replica_for_estimate(
+        stack: Stack, encoder: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys) -> None:
+    model_path = build("deepseek_v3", tmp_path / "model", encoder.vocab_size)
+    stack.configure(server_url="http://127.0.0.1:9", model_path=str(model_path),
+                    gpus="cpu:2", extract_backend="hf-tp", extract_dtype="float32")
+    assert datagen(monkeypatch, stack, "calibrate", "--seq-len", "64", "--batches", "2") == 0
+    cal = json.loads((Path(stack.settings().output_dir) / "calibration.json").read_text())
+    assert cal["tokens_per_s"] > 0 and cal["device_name"] == "cpu x2 ranks (hf-tp)"
+    capsys.readouterr()
+    assert datagen(monkeypatch, stack, "estimate", "--tokens", "1000") == 0
+    assert "calibrated on cpu x2 ranks (hf-tp)" in capsys.readouterr().out

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 EXIT_REPLICA_BROKEN = 75  # a forward failed on rank 0: the replica cannot go on
 STOP = "stop"
 IDLE_TIMEOUT = timedelta(days=30)  # the other ranks wait this long for rank 0's next row
+CALIBRATE_ENV = "DATAGEN_REPLICA_CALIBRATE"  # "seq_len,batches": rank 0 measures, then stops
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,15 @@ def check_start(settings: Settings, devices: Devices, visible: int | None = None
         raise ValueError("extract_backend='sglang' needs CUDA devices: --gpus 0-7, not cpu")
 
 
+def devices_of(settings: Settings) -> Devices | None:
+    """The replica's devices from the settings; None: the one-device worker, as before."""
+    if settings.gpus:
+        return parse_gpus(settings.gpus)
+    if settings.extract_backend in DISTRIBUTED:  # a replica of one rank
+        return parse_gpus("0" if visible_cuda_devices() else "cpu:1")
+    return None
+
+
 def is_replica(settings: Settings, devices: Devices) -> bool:
     """Several ranks, or a distributed backend even on one: else the one-device worker."""
     return devices.ranks > 1 or settings.extract_backend in DISTRIBUTED
@@ -141,15 +151,19 @@ def launch(devices: Devices, celery_args: Sequence[str]) -> int:
                                                          dict(os.environ))))
         log.info("replica rank %d pid %d (%s)", rank, procs[-1].pid,
                  f"cuda:{devices.ids[rank]}" if devices.kind == "cuda" else "cpu")
-    stopping: list[int] = []
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
+    def on_signal(_signum: int, _frame: Any) -> None:
         if procs[0].poll() is None:
             procs[0].send_signal(signal.SIGTERM)  # Celery's warm shutdown: the shard ends
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    before = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _watch(procs)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _watch(procs: list[subprocess.Popen]) -> int:
     first = _wait_first(procs)
     code = procs[first].returncode
     # a warm shutdown: rank 0 tells the others to stop, all exit 0 (in any order); a rank
@@ -275,7 +289,29 @@ def rank_main(argv: Sequence[str]) -> int:
         follow(backend, group, getattr(torch, cfg.dtype))
         backend.close()
         return 0
+    if os.environ.get(CALIBRATE_ENV):
+        return _calibrate(settings, cfg, Leader(backend, group))
     return _serve(settings, cfg, Leader(backend, group), argv)
+
+
+def _calibrate(settings: Settings, cfg: Any, leader: Leader) -> int:
+    """`datagen calibrate` on a replica: tokens/s of the whole replica's forward."""
+    import dataclasses
+
+    import torch
+
+    from datagen.extraction.estimate import save_calibration
+    from datagen.extraction.extractor import Extractor
+
+    seq_len, batches = (int(x) for x in os.environ[CALIBRATE_ENV].split(","))
+    cfg = dataclasses.replace(cfg, max_length=max(seq_len, 1), batch_tokens=max(seq_len, 1),
+                              check_free_space=False)
+    with Extractor(cfg, backend=leader) as ex:  # closing it stops the other ranks
+        rate = ex.measure_forward(seq_len, batches)
+    device = (torch.cuda.get_device_name() if leader.device.type == "cuda" else "cpu")
+    save_calibration(settings.calibration_path, settings.model_path,
+                     f"{device} x{os.environ['WORLD_SIZE']} ranks ({cfg.backend})", rate)
+    return 0
 
 
 def _serve(settings: Settings, cfg: Any, leader: Leader, argv: Sequence[str]) -> int:
