@@ -92,10 +92,11 @@ def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
     as before). Refuses to start, with one line, when the devices are not there."""
     from datagen.extraction import replica  # noqa: PLC0415 (no torch until a check needs it)
 
+    env = {}
     for name in ("gpus", "extract_backend"):
         if getattr(args, name, None):
             settings = settings.replace(**{name: getattr(args, name)})
-            os.environ[f"DATAGEN_{name.upper()}"] = getattr(args, name)  # for the ranks
+            env[f"DATAGEN_{name.upper()}"] = getattr(args, name)  # for the ranks
     devices = replica.devices_of(settings)
     if devices is None:
         return None
@@ -105,7 +106,7 @@ def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
             os.environ["CUDA_VISIBLE_DEVICES"] = replica.rank_env(
                 devices, 0, 0, dict(os.environ))["CUDA_VISIBLE_DEVICES"]
         return None
-    return replica.launch(devices, list(args.celery_args or []))
+    return replica.launch(devices, list(args.celery_args or []), env)
 
 
 def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
@@ -326,9 +327,8 @@ def _calibrate_replica(settings: Settings, args: argparse.Namespace) -> int:
     devices = replica.devices_of(settings)
     assert devices is not None  # gpus or a distributed backend is set
     replica.check_start(settings, devices)
-    os.environ.update({replica.CALIBRATE_ENV: f"{args.seq_len},{args.batches}",
-                       "DATAGEN_CALIBRATION_PATH": calibration_file(settings)})
-    code = replica.launch(devices, [])
+    code = replica.launch(devices, [], {replica.CALIBRATE_ENV: f"{args.seq_len},{args.batches}",
+                                        "DATAGEN_CALIBRATION_PATH": calibration_file(settings)})
     if code == 0:
         cal = load_calibration(calibration_file(settings))
         print(f"{cal.tokens_per_s:,.0f} tokens/s on {cal.device_name} ({settings.extract_dtype}, "

@@ -141,14 +141,16 @@ def rank_env(devices: Devices, rank: int, port: int, base: dict[str, str]) -> di
     return env
 
 
-def launch(devices: Devices, celery_args: Sequence[str]) -> int:
-    """Start the ranks, watch them; the first to exit ends the replica."""
+def launch(devices: Devices, celery_args: Sequence[str],
+           env: dict[str, str] | None = None) -> int:
+    """Start the ranks (our environment plus ``env``), watch them; the first to exit ends
+    the replica."""
     port = _free_port()
+    base = {**os.environ, **(env or {})}
     procs = []
     for rank in range(devices.ranks):
         argv = [sys.executable, "-m", "datagen.extraction.replica", *celery_args]
-        procs.append(subprocess.Popen(argv, env=rank_env(devices, rank, port,
-                                                         dict(os.environ))))
+        procs.append(subprocess.Popen(argv, env=rank_env(devices, rank, port, base)))
         log.info("replica rank %d pid %d (%s)", rank, procs[-1].pid,
                  f"cuda:{devices.ids[rank]}" if devices.kind == "cuda" else "cpu")
     def on_signal(_signum: int, _frame: Any) -> None:
