@@ -18,8 +18,9 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY requirements requirements
 # Exactly the locked environment the tests run in (requirements/lock.txt), torch pinned too.
-RUN pip install -r requirements/lock.txt \
-    && case ",${EXTRAS}," in *,extract,*|*,gpu,*) pip install "${TORCH}" ;; esac
+# The lock pins every dependency but torch (installed first, for the extract image only).
+RUN case ",${EXTRAS}," in *,extract,*|*,gpu,*) pip install "${TORCH}" ;; esac \
+    && pip install --no-deps -r requirements/lock.txt
 COPY cli cli
 COPY config config
 COPY datagen datagen

@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 	@#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install --progress-bar on "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	@# then everything else, exactly as locked (uv: seconds where pip takes minutes)
-	$(VENV)/bin/uv pip install --python $(PY) -r requirements/lock.txt
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps -r requirements/lock.txt
 	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
 	touch $@
 
@@ -65,8 +65,8 @@ workers: install ## start a short and a long worker (concurrency from the settin
 	@$(DATAGEN) worker short $(CFG) & s=$$!; $(DATAGEN) worker long $(CFG) & l=$$!; \
 	wait -n $$s $$l; code=$$?; kill $$s $$l 2>/dev/null; wait; exit $$code
 
-worker-gpu: install ## start one extraction worker (set CUDA_VISIBLE_DEVICES per GPU)
-	$(DATAGEN) worker gpu $(CFG)
+worker-gpu: install ## start one extraction replica (GPUS=0-7 spans 8 GPUs; BACKEND=hf-tp)
+	$(DATAGEN) worker gpu $(CFG) $(if $(GPUS),--gpus $(GPUS)) $(if $(BACKEND),--backend $(BACKEND))
 
 flower: install ## start Flower with authentication (flower_basic_auth; ARGS="--port N")
 	$(DATAGEN) flower $(CFG) $(ARGS)
@@ -126,9 +126,9 @@ bench-memory: install ## merge and rebuild peak memory at 100,000 records (goal 
 	$(PY) bench/bench_memory.py
 
 lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra but torch)
-	$(VENV)/bin/uv pip compile pyproject.toml requirements/extract-without-torch.in --extra demo \
-		--extra plot --extra dev --universal --python-version 3.11 -q \
-		--custom-compile-command "make lock" -o requirements/lock.txt
+	$(VENV)/bin/uv pip compile pyproject.toml --extra extract --extra demo --extra plot \
+		--extra dev --override requirements/without-torch.txt --universal --python-version 3.11 \
+		-q --custom-compile-command "make lock" -o requirements/lock.txt
 
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs

@@ -3,6 +3,7 @@
     python -m bench.bench_extract --out bench_extract.json                # 8B Llama shape, GPU
     python -m bench.bench_extract --seq-len 16384 --n-samples 8 --out long.json
     python -m bench.bench_extract --tiny --out tiny.json                  # CPU smoke run
+    python -m bench.bench_extract --tiny --backend hf-tp --ranks 2 --out tp.json  # 2 CPU ranks
 
 The model gets random weights built directly on the device in the target dtype (nothing is
 saved or downloaded) and is handed to ``Extractor.from_model``. The pipeline writes real files
@@ -14,6 +15,10 @@ Phases:
   naive     full HF forward(output_hidden_states=True) incl. LM head, .to("cpu"), torch.save,
             one sample after the other (what a first script does)
   pipeline  Extractor.run_shard: packed forward, pinned D2H copies, threaded atomic writes
+
+``--backend hf-tp --ranks N`` saves the same random model to the scratch folder, starts N
+ranks as a replica does (gloo on CPU, nccl on CUDA; rank 0 announces each row, every rank runs
+it) and times the forward and pipeline phases on rank 0 (no naive phase).
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work-dir", default=None, help="scratch folder for files (default: tmp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results JSON path")
+    p.add_argument("--backend", choices=("hf", "hf-tp"), default="hf")
+    p.add_argument("--ranks", type=int, default=1, help="hf-tp: ranks of the replica")
+    p.add_argument("--rank-model", default=None, help=argparse.SUPPRESS)  # set for the ranks
     args = p.parse_args(argv)
     shape = SHAPE_TINY if args.tiny else SHAPE_8B
     for name, value in shape.items():
@@ -207,7 +215,8 @@ def _row(tokens: int, seconds: float, peak: int | None, disk_per_token: float | 
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{results['shape']}  {results['dtype']} on {results['device_name']}")
+    print(f"\n{results['shape']}  {results['dtype']} on {results['device_name']}, "
+          f"backend {results.get('backend', 'hf')} x{results.get('ranks', 1)} ranks")
     print(f"{'phase':<10}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'peak GPU GiB':>14}"
           f"{'disk B/token':>14}")
     for name, r in results["phases"].items():
@@ -252,12 +261,99 @@ def run(args: argparse.Namespace) -> dict:
             "phases": phases}
 
 
+def run_replica(args: argparse.Namespace, argv: list[str]) -> dict | None:
+    """The parent: save the random model, start the ranks, read rank 0's results."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from datagen.extraction.replica import Devices, _free_port, rank_env
+
+    cuda = (args.device or ("cpu" if args.tiny else "auto")) != "cpu" and (
+        torch.cuda.is_available())
+    work = Path(tempfile.mkdtemp(prefix="bench_extract_tp_", dir=args.work_dir))
+    try:
+        t0 = time.perf_counter()
+        build_model(args, torch.device("cpu")).save_pretrained(work / "model")
+        log.info("random model saved in %.1fs", time.perf_counter() - t0)
+        devices = Devices("cuda" if cuda else "cpu", tuple(range(args.ranks)))
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "bench.bench_extract", *argv,
+                                   "--rank-model", str(work / "model")],
+                                  env=rank_env(devices, r, port, dict(os.environ)))
+                 for r in range(args.ranks)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"ranks exited with {codes}")
+        return json.loads(Path(args.out).read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def rank_run(args: argparse.Namespace) -> dict | None:
+    """One rank: its part of the model; rank 0 times the phases."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from datagen.extraction.backends import hf_tp
+    from datagen.extraction.backends.hf import DTYPES
+    from datagen.extraction.extractor import ExtractionConfig, Extractor
+    from datagen.extraction.replica import Leader, follow
+
+    cuda = os.environ["DATAGEN_REPLICA_DEVICE"] == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=1))
+    samples = make_samples(args)
+    work = Path(tempfile.mkdtemp(prefix="bench_extract_rank_", dir=args.work_dir))
+    max_len = max(len(s["prompt_ids"]) + len(s["output_ids"]) for s in samples)
+    cfg = ExtractionConfig(model_path=args.rank_model, output_dir=str(work / "out"),
+                           dtype=args.dtype, device=str(device), max_length=max_len,
+                           batch_tokens=args.batch_tokens, attn_implementation=args.attn,
+                           writer_threads=args.writer_threads, backend="hf-tp")
+    backend = hf_tp.create(cfg, device)
+    dist.barrier(group=group)
+    try:
+        if dist.get_rank() != 0:
+            follow(backend, group, DTYPES[args.dtype])
+            return None
+        gpu = Gpu(device)
+        with Extractor(cfg, backend=Leader(backend, group)) as ex:
+            phases = {"forward": phase_forward(ex, samples, gpu)}
+            phases["pipeline"] = phase_pipeline(ex, samples, work, gpu)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    name = torch.cuda.get_device_name(device) if cuda else f"cpu x{os.cpu_count()}"
+    return {"shape": {k: getattr(args, k) for k in SHAPE_8B}, "dtype": args.dtype,
+            "attn": args.attn, "device_name": name, "backend": "hf-tp",
+            "ranks": dist.get_world_size(), "n_samples": args.n_samples,
+            "seq_len": args.seq_len, "len_range": [args.min_len, args.max_len],
+            "batch_tokens": args.batch_tokens, "phases": phases}
+
+
 def main(argv: list[str] | None = None) -> None:
+    import sys
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    results = run(args)
+    if args.rank_model:
+        results = rank_run(args)
+        if results is not None:
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        return
+    if args.backend == "hf-tp":
+        results = run_replica(args, argv)
+    else:
+        results = run(args)
+        results["backend"], results["ranks"] = "hf", 1
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print_table(results)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from cli.extraction import (
     cmd_extract,
     cmd_handoff,
     cmd_prepare,
+    gpu_replica,
     require_model_path,
 )
 from cli.output import merge_all, print_json, print_summary, render_produce
@@ -146,6 +147,9 @@ def cmd_sweep(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     if args.queue == "gpu":
         require_model_path(settings)
+        replica = gpu_replica(settings, args)
+        if replica is not None:
+            return replica
     argv = worker_argv(settings, args.queue) + list(args.celery_args or [])
     os.execv(argv[0], argv)
     return 1  # not reached

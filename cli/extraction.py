@@ -18,7 +18,14 @@ from config.settings import Settings
 from datagen import draft_config, handoff, training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.extraction import ledger as xlm
-from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.extraction import runner
+from datagen.extraction.estimate import (
+    DTYPE_BYTES,
+    PRESETS,
+    check_disk,
+    estimate,
+    load_calibration,
+)
 from datagen.extraction.manifest import shard_name
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
@@ -79,6 +86,28 @@ def require_model_path(settings: Settings) -> None:
                          "transformers model folder is needed)")
 
 
+def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
+    """`datagen worker gpu --gpus 0-7`: a replica over N ranks (None: the one-device worker,
+    as before). Refuses to start, with one line, when the devices are not there."""
+    from datagen.extraction import replica  # noqa: PLC0415 (no torch until a check needs it)
+
+    env = {}
+    for name in ("gpus", "extract_backend"):
+        if getattr(args, name, None):
+            settings = settings.replace(**{name: getattr(args, name)})
+            env[f"DATAGEN_{name.upper()}"] = getattr(args, name)  # for the ranks
+    devices = replica.devices_of(settings)
+    if devices is None:
+        return None
+    replica.check_start(settings, devices)
+    if not replica.is_replica(settings, devices):
+        if devices.kind == "cuda":  # one GPU with `hf`: the one-device worker on it
+            os.environ["CUDA_VISIBLE_DEVICES"] = replica.rank_env(
+                devices, 0, 0, dict(os.environ))["CUDA_VISIBLE_DEVICES"]
+        return None
+    return replica.launch(devices, list(args.celery_args or []), env)
+
+
 def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     require_model_path(settings)
     manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
@@ -98,13 +127,14 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)
     for s in send:
-        app.send_task(EXTRACT_TASK, kwargs={"shard": s.path}, queue=xlm.GPU_QUEUE)
+        runner.send_shard(app, s.path)
     print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
           f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
           flush=True)
     if args.no_wait:
         return 0
-    code = follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+    code = follow_extraction(xl, app, shards, args.interval, args.timeout_s, out,
+                             settings)
     if code:
         print("SpecForge handoff not written: extraction is incomplete")
         return code
@@ -134,7 +164,8 @@ def cmd_handoff(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.ShardState],
-                      interval: float, timeout_s: float | None, out: Path) -> int:
+                      interval: float, timeout_s: float | None, out: Path,
+                      settings: Settings) -> int:
     """Print progress until every shard is done or dead-lettered; re-send lost shards."""
     started = time.monotonic()
     first = last_line = None
@@ -151,6 +182,8 @@ def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.Shard
             print(_extract_line(len(done), len(shards), tokens, shards, first, now - started),
                   flush=True)
         nowhere_since = _resend_lost(xl, app, todo, nowhere_since, now)
+        # with every gpu worker down, their shards are still handed back
+        runner.reap(settings, xl, lambda shard, retry: runner.send_shard(app, shard, retry))
         if timeout_s is not None and now - started > timeout_s:
             raise TimeoutError(f"extraction not finished after {timeout_s:.0f}s")
         time.sleep(interval)
@@ -163,7 +196,7 @@ def _resend_lost(xl: xlm.ExtractionLedger, app: Any, todo: list[xlm.ShardState],
     since = {s.path: nowhere_since.get(s.path, now) for s in xlm.nowhere(todo, xl, EXTRACT_TASK)}
     for path, first_seen in list(since.items()):
         if now - first_seen > LOST_AFTER_S:
-            app.send_task(EXTRACT_TASK, kwargs={"shard": path}, queue=xlm.GPU_QUEUE)
+            runner.send_shard(app, path, retry=True)
             print(f"{path}: not done, not running, not queued: enqueued again", flush=True)
             del since[path]
     return since
@@ -206,6 +239,9 @@ def _extract_line(n_done: int, n_shards: int, tokens: int, shards: list[Any], fi
 def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
     tokens, source = _planned_tokens(settings, args)
     hidden, layers = args.hidden_size, args.num_layers
+    if args.preset:
+        preset = PRESETS[args.preset]
+        hidden, layers = hidden or preset[0], layers or preset[1]
     if hidden is None or layers is None:
         shape = model_shape(settings.model_path)
         hidden, layers = hidden or shape[0], layers or shape[1]
@@ -297,6 +333,8 @@ def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
 
     if not settings.model_path:
         raise ValueError("model_path is not set (DATAGEN_MODEL_PATH, --config)")
+    if settings.gpus or settings.extract_backend != "hf":
+        return _calibrate_replica(settings, args)
     rate = calibrate(settings.model_path, args.seq_len, args.batches,
                      device=settings.extract_device, dtype=settings.extract_dtype)
     cuda = torch.cuda.is_available() and settings.extract_device != "cpu"
@@ -306,3 +344,21 @@ def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
     print(f"{rate:,.0f} tokens/s on {device} ({settings.extract_dtype}, {args.seq_len} tokens "
           f"x {args.batches}); stored in {path} for `datagen estimate`")
     return 0
+
+
+def _calibrate_replica(settings: Settings, args: argparse.Namespace) -> int:
+    """The same measurement on a whole replica (`gpus`, `extract_backend`): its ranks start
+    as `datagen worker gpu` starts them; rank 0 measures and stores instead of consuming."""
+    from datagen.extraction import replica  # noqa: PLC0415
+
+    devices = replica.devices_of(settings)
+    assert devices is not None  # gpus or a distributed backend is set
+    replica.check_start(settings, devices)
+    code = replica.launch(devices, [], {replica.CALIBRATE_ENV: f"{args.seq_len},{args.batches}",
+                                        "DATAGEN_CALIBRATION_PATH": calibration_file(settings)})
+    if code == 0:
+        cal = load_calibration(calibration_file(settings))
+        print(f"{cal.tokens_per_s:,.0f} tokens/s on {cal.device_name} ({settings.extract_dtype}, "
+              f"{args.seq_len} tokens x {args.batches}); stored in {calibration_file(settings)} "
+              "for `datagen estimate` (per replica)")
+    return code

@@ -151,6 +151,11 @@ def _parser() -> argparse.ArgumentParser:
                                    help="its new budget in tokens (0 closes it)")
     parsers["worker"].add_argument("queue", choices=("short", "long", "gpu"),
                                    help="the queue to consume; Celery's own options may follow")
+    parsers["worker"].add_argument("--gpus", help="gpu: one replica's devices, 0-7 or cpu:2 "
+                                                  "(the gpus setting)")
+    parsers["worker"].add_argument("--backend", dest="extract_backend",
+                                   choices=("hf", "hf-tp", "sglang"),
+                                   help="gpu: the extract_backend setting")
     # Celery's own options (-n, --loglevel, ...) may follow; settings flags work anywhere.
     for name, port in (("flower", 5555), ("metrics", 9108)):
         parsers[name].add_argument("--port", type=int, default=port,
@@ -183,10 +188,15 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
                      help="token count to plan for (repeat for several datasets)")
     est.add_argument("--budgeted", action="store_true",
                      help="plan for the budgets instead of the tokens done")
+    est.add_argument("--preset", choices=("kimi-k2.5", "kimi-k2", "deepseek-v3",
+                                          "llama-3.1-8b", "llama-3.1-70b"),
+                     help="the target's shape without its config.json (else model_path's)")
     est.add_argument("--hidden-size", type=int, help="instead of the model's config.json")
     est.add_argument("--num-layers", type=int, help="instead of the model's config.json")
-    est.add_argument("--gpus", type=int, default=1, help="GPUs extracting at once (default 1)")
-    est.add_argument("--tokens-per-s", type=float, help="per GPU (default: the calibration)")
+    est.add_argument("--gpus", type=int, default=1,
+                     help="gpu workers at once: GPUs, or replicas when calibrated on one")
+    est.add_argument("--tokens-per-s", type=float,
+                     help="per gpu worker (default: the calibration)")
     cal = parsers["calibrate"]
     cal.add_argument("--seq-len", type=int, default=4096,
                      help="tokens per measured sequence (default 4096)")

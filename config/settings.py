@@ -29,6 +29,7 @@ BUDGET_MEASURES = ("completion", "total")
 REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
+EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang")  # datagen/extraction/backends
 
 
 RENAMED = {"extract_max_length_tokens": "train_max_length"}
@@ -103,8 +104,11 @@ class Settings:
     shard_samples: int = 500  # samples per shard = per `gpu` task (~1.5M tokens at 3K)
     shuffle_seed: int = 0  # seed of the training set's shuffle
 
-    # Hidden-state extraction on the `gpu` queue (one worker per GPU).
+    # Hidden-state extraction on the `gpu` queue (one worker per model replica).
     model_path: str = ""  # local HF model folder of the target model
+    gpus: str = ""  # one replica's devices: "" one device (as CUDA_VISIBLE_DEVICES), "0-7", "cpu:2"
+    extract_backend: str = "hf"  # "hf" one device, "hf-tp" transformers TP, "sglang" (CUDA)
+    replica_timeout_s: float = 600.0  # a rank silent this long in a collective ends the replica
     # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
     aux_layer_ids: list[int] | None = None  # aux decoder layers; None: [1, N//2-1, N-4]
     extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states
@@ -150,13 +154,16 @@ class Settings:
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
-                              ("extract_overlong", EXTRACT_OVERLONG)):
+                              ("extract_overlong", EXTRACT_OVERLONG),
+                              ("extract_backend", EXTRACT_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise SettingsError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
         if self.extract_max_retries < 0 or self.extract_retry_countdown_s < 0:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if self.replica_timeout_s <= 0:
+            raise SettingsError(f"replica_timeout_s: {self.replica_timeout_s!r} must be > 0")
         if self.aux_layer_ids is not None:
             # frozen: the one normalisation, from the environment's string to a list
             object.__setattr__(self, "aux_layer_ids", _layer_ids(self.aux_layer_ids))

@@ -121,7 +121,7 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     assert datagen(monkeypatch, stack, "extract") == 0
     assert "nothing to enqueue" in capsys.readouterr().out
     r = connect(stack.redis_url)
-    assert r.llen(xlm.GPU_QUEUE) == 0 and r.hlen(xlm.DONE) == 4
+    assert xlm.ExtractionLedger(r).queue_length() == 0 and r.hlen(xlm.DONE) == 4
 
     # And: a shard that cannot be read is retried, then dead-lettered; one outside the output
     # folder is dead-lettered at once; the queue moves on
@@ -213,14 +213,14 @@ def test_extract_refuses_without_disk_room_and_never_enqueues_a_queued_shard_twi
     assert datagen(monkeypatch, stack, "extract", "--no-wait") == 2
     err = capsys.readouterr().err
     assert "datagen extract: error: need" in err and "GB free at" in err and "--force" in err
-    assert r.llen(xlm.GPU_QUEUE) == 0
+    assert xlm.ExtractionLedger(r).queue_length() == 0
 
     # --force enqueues every shard once; a second run finds them queued and sends nothing
     assert datagen(monkeypatch, stack, "extract", "--no-wait", "--force") == 0
     assert datagen(monkeypatch, stack, "extract", "--no-wait", "--force") == 0
     out = capsys.readouterr().out
     assert "3 shards enqueued" in out and "0 shards enqueued, 3 already queued" in out
-    assert r.llen(xlm.GPU_QUEUE) == 3
+    assert xlm.ExtractionLedger(r).queue_length() == 3
     assert xlm.ExtractionLedger(r).queued(EXTRACT_TASK) == {
         f"training/shards/shard_0000{i}.jsonl" for i in range(3)}
 
@@ -270,3 +270,24 @@ def test_the_gpu_worker_and_extract_refuse_to_start_without_a_model(stack: Stack
             assert result.returncode == 2, (argv, result.stderr[-2000:])
             line = result.stderr.strip().splitlines()[-1]
             assert "model_path" in line and "--num-layers" not in line, line
+
+
+def test_estimate_knows_the_kimi_k25_shape_from_a_preset_or_its_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # Kimi-K2.5's config.json nests its DeepSeek-V3 text backbone under text_config
+    model = tmp_path / "kimi-k2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": {"model_type": "deepseek_v3", "hidden_size": 7168,
+                        "num_hidden_layers": 61, "n_routed_experts": 384}}))
+    plan = ["estimate", "--tokens", "1000000", "--tokens-per-s", "10000"]
+    assert main([*plan, "--preset", "kimi-k2.5"]) == 0
+    from_preset = capsys.readouterr().out
+    monkeypatch.setenv("DATAGEN_MODEL_PATH", str(model))
+    assert main(plan) == 0
+    from_config = capsys.readouterr().out
+    for text in (from_preset, from_config):
+        assert "aux layers [1, 29, 57] of 61" in text
+        # (3 aux + 1 final) x 7168 x 2 B = 57,344 B of states per token, + 16 B ids and mask
+        assert "x H 7168 x 2 B = 57,344 B of states + 16 B (ids, mask) = 57,360 B" in text

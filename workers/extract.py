@@ -1,9 +1,10 @@
 """The extraction task on the `gpu` queue: a thin wrapper over datagen/extraction/runner.py.
 
-Run one worker per GPU (``datagen worker gpu``: prefork, one child; ``CUDA_VISIBLE_DEVICES``
-picks the GPU). The child loads the model once, on its first task, and keeps it. torch is
-imported only inside functions: the short/long workers import this module too (through
-workers.app) and must start without it.
+One gpu worker is one model replica. On one device (``datagen worker gpu``: prefork, one
+child; ``CUDA_VISIBLE_DEVICES`` picks the GPU) the child loads the model on its first task and
+keeps it. A replica over several ranks (``--gpus 0-7``, datagen/extraction/replica.py) loads
+it before consuming and installs its extractor here. torch is imported only inside functions:
+the short/long workers import this module too (through workers.app) and must start without it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _extractor: Any = None
+_installed = False  # a replica's extractor: never dropped and reloaded here
 _xledger: ExtractionLedger | None = None
+_reaper_stop = threading.Event()
 
 
 def xledger() -> ExtractionLedger:
@@ -34,6 +37,13 @@ def xledger() -> ExtractionLedger:
         if _xledger is None:
             _xledger = ExtractionLedger(connect(app.conf.datagen_settings.redis_url))
         return _xledger
+
+
+def install(extractor: Any) -> None:
+    """A replica's rank 0: the extractor over all ranks, built before the worker starts."""
+    global _extractor, _installed
+    with _lock:
+        _extractor, _installed = extractor, True
 
 
 def extractor() -> Any:
@@ -54,6 +64,8 @@ def drop_extractor() -> None:
     """Forget the model after a failure that may have left it unusable; the retry reloads."""
     global _extractor
     with _lock:
+        if _installed:
+            return
         ex, _extractor = _extractor, None
     if ex is not None:
         try:
@@ -62,9 +74,36 @@ def drop_extractor() -> None:
             log.exception("closing the extractor after a failure")
 
 
+def _send(shard: str, retry: bool) -> None:
+    runner.send_shard(app, shard, retry)
+
+
+def _reap_loop() -> None:
+    settings = app.conf.datagen_settings
+    period = min(1.0, settings.lease_s / 3)
+    while not _reaper_stop.wait(period):
+        try:
+            runner.reap(settings, xledger(), _send)
+        except Exception as exc:  # noqa: BLE001 - Redis away: try again next tick
+            log.warning("extraction reaper: %s", exc)
+
+
+@signals.worker_ready.connect
+def _start_reaper(sender: Any = None, **_: object) -> None:
+    """Every gpu worker reaps: a shard whose run died is re-enqueued about one lease after."""
+    queues = getattr(getattr(app.amqp, "queues", None), "consume_from", None) or {}
+    if GPU_QUEUE in queues:
+        threading.Thread(target=_reap_loop, name="extract-reaper", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _stop_reaper(**_: object) -> None:
+    _reaper_stop.set()
+
+
 @signals.worker_process_shutdown.connect
 def _close_extractor(**_: object) -> None:
-    if _extractor is not None:
+    if _extractor is not None and not _installed:
         _extractor.close()  # drains the writer threads: no file is left half-renamed
 
 
@@ -76,10 +115,6 @@ def extract(self, shard: str, **_: object) -> dict[str, Any]:
     except (InsufficientDiskSpace, BadInput) as exc:  # a retry in a few seconds cannot help
         return runner.give_up(settings, xledger(), shard, exc)
     except Exception as exc:
-        log.exception("shard %s failed (try %d)", shard, self.request.retries + 1)
         if "cuda" in f"{type(exc).__name__} {exc}".lower():
             drop_extractor()  # the device may be in a bad state: the retry reloads the model
-        if self.request.retries >= settings.extract_max_retries:
-            return runner.give_up(settings, xledger(), shard, exc)
-        raise self.retry(exc=exc, countdown=settings.extract_retry_countdown_s,
-                         max_retries=settings.extract_max_retries, queue=GPU_QUEUE) from exc
+        return runner.fail(settings, xledger(), shard, exc)

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 N_AUX = 3
 ID_AND_MASK_BYTES = 16  # input_ids int64 + loss_mask int64
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# (hidden_size, num_hidden_layers) of targets planned for before their weights are at hand.
+# Kimi-K2.5: the DeepSeek-V3 text backbone of its config.json's text_config.
+PRESETS = {"kimi-k2.5": (7168, 61), "kimi-k2": (7168, 61), "deepseek-v3": (7168, 61),
+           "llama-3.1-8b": (4096, 32), "llama-3.1-70b": (8192, 80)}
 
 
 class InsufficientDiskSpace(StorageError):
@@ -107,8 +111,8 @@ def render(est: Estimate) -> str:
     h, d = est.hidden_size, est.dtype_bytes
     lines = [
         f"aux layers {list(est.aux_layer_ids)} of {est.num_layers} (outputs) + final norm",
-        f"bytes/token = (3 aux + 1 final) x H {h} x {d} B + {ID_AND_MASK_BYTES} B (ids, mask)"
-        f" = {est.bytes_per_token:,} B",
+        f"bytes/token = (3 aux + 1 final) x H {h} x {d} B = {(N_AUX + 1) * h * d:,} B of states"
+        f" + {ID_AND_MASK_BYTES} B (ids, mask) = {est.bytes_per_token:,} B",
         f"{'dataset':<24}{'tokens':>16}{'disk':>16}{'hours':>10}",
     ]
     for ds in est.datasets:

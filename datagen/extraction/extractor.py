@@ -6,11 +6,13 @@ for each shard of phase-1 records. Per sample it writes ``data_{idx}.ckpt`` =
 (see files.py for layout and crash safety, backends/hf.py for hooks and packing,
 pipeline.py for the overlap of compute, copies and writes).
 
-Batching: a shard's samples are sorted by length (longest first) and cut into batches of at most
-``batch_tokens`` tokens; a batch is the unit of retry and of one device->host copy. Inside a
-batch, consecutive samples share a row (one forward call, no padding) up to ``pack_tokens``.
-A failing batch (CUDA OOM or any error) is split in halves down to single samples; a single
-sample that still fails is reported in ``ShardResult.failures`` for the caller to dead-letter.
+Batching (batching.py): a shard's samples are sorted by length (longest first) and cut into
+batches of at most ``batch_tokens`` tokens; a batch is the unit of retry and of one
+device->host copy. Inside a batch, consecutive samples share a row (one forward call, no
+padding) up to ``pack_tokens``. A failing batch (CUDA OOM or any error) is split in halves
+down to single samples; a single sample that still fails is reported in
+``ShardResult.failures`` for the caller to dead-letter. In a replica of several ranks a failing
+forward ends the replica instead (replica.py): the ranks cannot skip a row in step.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ import torch
 
 from datagen import vocab_mapping as vm
 from datagen.errors import StorageError
+from datagen.extraction import backends
 from datagen.extraction.backends.hf import (
     DTYPES,
-    RowRunner,
-    load_model,
+    HFBackend,
+    aux_ids_for,
     packing_isolated,
     resolve_device,
 )
-from datagen.extraction.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
+from datagen.extraction.batching import length_batches, pack_rows
+from datagen.extraction.estimate import DTYPE_BYTES, check_disk
 from datagen.extraction.files import (
     Rejected,
     Sample,
@@ -47,7 +51,7 @@ from datagen.extraction.files import (
     sample_tensors,
     save_atomic,
 )
-from datagen.extraction.manifest import Manifest, load_done, shard_name
+from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
@@ -75,9 +79,10 @@ class ExtractionConfig:
     max_pending_writes: int = 8
     check_free_space: bool = True
     force: bool = False          # write even when the disk check says it will not fit
+    backend: str = "hf"          # backends.NAMES
 
     def __post_init__(self) -> None:
-        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip")}
+        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
@@ -125,28 +130,43 @@ class _ShardRun:
 
 
 class Extractor:
-    def __init__(self, cfg: ExtractionConfig, model: Any | None = None):
+    def __init__(self, cfg: ExtractionConfig, model: Any | None = None,
+                 backend: Any | None = None):
+        """The model comes from ``backend`` (a base.Backend, e.g. a replica's leader), else
+        ``model`` (already built; the `hf` backend wraps it), else cfg.backend loads it."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if model is not None and cfg.device == "auto":  # an already-built model stays put
             self.device = next(model.parameters()).device
         self.dtype = DTYPES[cfg.dtype]
-        if model is None:
-            model = load_model(cfg.model_path, cfg.dtype, self.device,
-                               cfg.attn_implementation, cfg.trust_remote_code)
-        self.model = model.eval()
-        n_layers = int(model.config.num_hidden_layers)
-        self.aux_layer_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(n_layers))
-        self.runner = RowRunner(model, self.aux_layer_ids, self.device)
-        self.hidden_size = self.runner.hidden
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        if backend is None and model is not None:
+            backend = HFBackend(model.eval(), aux_ids_for(model, cfg.aux_layer_ids),
+                                self.device)
+        if backend is None:
+            backend = backends.create(cfg.backend, cfg, self.device)
+        self.runner = backend
+        self.device = backend.device
+        self.model = getattr(backend, "model", None)
+        self.aux_layer_ids = tuple(backend.aux_layer_ids)
+        self.hidden_size = backend.hidden
+        self.vocab_size = backend.vocab_size
         self.pack_tokens = self._check_packing(cfg.resolved_pack_tokens())
-        self.staging = HostStaging(self.device, self.runner.width, self.dtype,
+        self.staging = HostStaging(self.device, backend.width, self.dtype,
                                    max(cfg.batch_tokens, cfg.max_length))
         self.writer = AsyncWriter(cfg.writer_threads, cfg.max_pending_writes)
-        log.info("extractor ready: H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
-                 self.hidden_size, list(self.aux_layer_ids), n_layers, cfg.dtype, self.device,
-                 self.pack_tokens)
+        log.info("extractor ready (%s): H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
+                 cfg.backend, self.hidden_size, list(self.aux_layer_ids), backend.num_layers,
+                 cfg.dtype, self.device, self.pack_tokens)
+
+    def metadata(self) -> dict[str, Any]:
+        """What the files are (written to <extraction_dir>/extraction.json)."""
+        import os
+
+        return {"model_path": str(Path(self.cfg.model_path).resolve()) if self.cfg.model_path
+                else "", "aux_layer_ids": list(self.aux_layer_ids),
+                "num_layers": int(self.runner.num_layers), "hidden_size": self.hidden_size,
+                "dtype": self.cfg.dtype, "backend": self.cfg.backend,
+                "ranks": int(os.environ.get("WORLD_SIZE", 1))}
 
     @classmethod
     def from_model(cls, model: Any, cfg: ExtractionConfig) -> Extractor:
@@ -154,6 +174,8 @@ class Extractor:
         return cls(cfg, model=model)
 
     def _check_packing(self, pack_tokens: int) -> int:
+        if not self.runner.packs:
+            return 0
         if pack_tokens <= 1 or packing_isolated(self.runner, self.vocab_size, self.dtype):
             return pack_tokens
         log.warning("this model/attention (%s) does not isolate packed samples: one row per "
@@ -162,7 +184,7 @@ class Extractor:
 
     def close(self) -> None:
         self.writer.close()
-        self.runner.capture.remove()
+        self.runner.close()
 
     def __enter__(self) -> Extractor:
         return self
@@ -173,18 +195,7 @@ class Extractor:
     # -- forward -------------------------------------------------------------------------
 
     def _rows(self, lengths: Sequence[int]) -> list[int]:
-        """Number of consecutive samples in each row (a row never exceeds pack_tokens
-        unless one sample alone does)."""
-        rows: list[int] = []
-        used = 0
-        for n in lengths:
-            if rows and used + n <= self.pack_tokens:
-                rows[-1] += 1
-                used += n
-            else:
-                rows.append(1)
-                used = n
-        return rows
+        return pack_rows(lengths, self.pack_tokens)
 
     def _forward_batch(self, id_lists: Sequence[Sequence[int]]) -> torch.Tensor:
         """[sum(L), 4H] on the device: per sample its rows, in order (aux low|mid|high|final)."""
@@ -236,6 +247,7 @@ class Extractor:
         run = _ShardRun(ShardResult(shard=str(shard_path)))
         todo = self._plan(shard_path, out_dir, run)
         if todo:
+            check_metadata(out_dir, self.metadata())
             run.manifest = Manifest(out_dir, shard_name(shard_path))
             try:
                 for batch in self._batches(todo):
@@ -296,17 +308,7 @@ class Extractor:
         return todo
 
     def _batches(self, samples: list[Sample]) -> list[list[Sample]]:
-        ordered = sorted(samples, key=lambda s: (-s.length, s.idx))
-        batches: list[list[Sample]] = []
-        used = 0
-        for s in ordered:
-            if batches and used + s.length <= self.cfg.batch_tokens:
-                batches[-1].append(s)
-                used += s.length
-            else:
-                batches.append([s])
-                used = s.length
-        return batches
+        return length_batches(samples, self.cfg.batch_tokens)
 
     def _run_batch(self, batch: list[Sample], run: _ShardRun) -> None:
         try:

@@ -5,10 +5,13 @@ neither torch nor worker code. A shard is done *for one content*: its entry carr
 of the shard file, so a shard rewritten by a later ``datagen prepare`` is not taken as done.
 
 A gpu task holds a lease on its shard while it runs (SET NX with a TTL, refreshed by a thread),
-so a duplicate message of a running shard is dropped instead of writing the same files twice;
-a worker killed mid-shard leaves a lease that expires, after which ``datagen extract`` finds
-the shard nowhere (not done, not leased, not queued) and enqueues it again. The samples the
-dead worker finished stay done on disk (the engine's manifest) and are not redone.
+so a duplicate message of a running shard is dropped instead of writing the same files twice,
+and a ``running`` entry that outlives the run until the shard is done or dead. A worker (or a
+rank of a replica) killed mid-shard leaves the entry with its owner and a lease that expires:
+the reaper of any live gpu worker then re-enqueues the shard at the retry priority, ahead of
+fresh shards, within a second of the expiry (no Celery countdown, no visibility timeout is
+involved). A failed run parks its entry with a ``not_before`` time instead of an ETA message.
+The samples a dead run finished stay done on disk (the manifest) and are not redone.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ DEAD = keys.EXTRACT_DEAD
 DEAD_SAMPLES = keys.EXTRACT_DEAD_SAMPLES
 PROGRESS = keys.EXTRACT_PROGRESS
 LEASE = keys.EXTRACT_LEASE
+RUNNING = keys.EXTRACT_RUNNING
 
 GPU_QUEUE = "gpu"
-UNACKED = "unacked"  # kombu's HASH of delivered, unacknowledged messages (ETA retries wait here)
 
 
 def lease_key(shard: str) -> str:
@@ -72,6 +75,7 @@ class ExtractionLedger:
     def mark_done(self, shard: str, entry: dict[str, Any], failed: int) -> None:
         with self.r.pipeline() as pipe:
             pipe.hset(DONE, shard, json.dumps(entry))
+            pipe.hdel(RUNNING, shard)
             pipe.hset(DEAD_SAMPLES, shard, failed)
             pipe.hdel(DEAD, shard)
             pipe.hdel(PROGRESS, shard)
@@ -82,6 +86,7 @@ class ExtractionLedger:
         with self.r.pipeline() as pipe:
             pipe.hset(DEAD, shard, json.dumps(entry))
             pipe.hdel(PROGRESS, shard)
+            pipe.hdel(RUNNING, shard)
             pipe.execute()
 
     def forget_dead(self, shards: Iterable[str]) -> None:
@@ -116,12 +121,16 @@ class ExtractionLedger:
         if not self.r.set(lease_key(shard), owner, nx=True, px=ttl_ms):
             yield False
             return
+        self._set_entry(shard, owner=owner, since=time.time(), not_before=0.0)
         stop = threading.Event()
         keeper = threading.Thread(target=self._keep, args=(shard, owner, ttl_ms, stop),
                                   name="extract-lease", daemon=True)
         keeper.start()
         try:
             yield True
+        except BaseException:
+            self._set_entry(shard, owner=None)  # a failure, not a death: the caller decides
+            raise
         finally:
             stop.set()
             keeper.join()
@@ -136,25 +145,62 @@ class ExtractionLedger:
             except redis.RedisError as exc:  # the run goes on; the lease may lapse
                 log.warning("cannot refresh the lease of %s: %s", shard, exc)
 
+    # -- taken shards: retries and reclaims ----------------------------------------------
+
+    def entry(self, shard: str) -> dict[str, Any]:
+        raw = self.r.hget(RUNNING, shard)
+        return json.loads(raw) if raw else {"tries": 0}
+
+    def _set_entry(self, shard: str, **fields: Any) -> dict[str, Any]:
+        entry = {**self.entry(shard), **fields}
+        self.r.hset(RUNNING, shard, json.dumps(entry))
+        return entry
+
+    def retry_later(self, shard: str, delay_s: float) -> int:
+        """A failed run: one more try, re-enqueued by the reaper after ``delay_s``; returns
+        the tries so far."""
+        entry = self.entry(shard)
+        tries = int(entry.get("tries", 0)) + 1
+        self._set_entry(shard, tries=tries, owner=None, not_before=time.time() + delay_s)
+        return tries
+
+    def requeued(self, shard: str, tries: int) -> None:
+        self._set_entry(shard, tries=tries, owner=None, not_before=0.0, requeued_at=time.time())
+
+    def reclaimable(self, task_name: str) -> list[tuple[str, int, str | None]]:
+        """(shard, tries, owner that died or None) for taken shards that nobody runs and no
+        message names: their run died (lease expired) or waits out its retry delay."""
+        entries = {k: json.loads(v) for k, v in self.r.hgetall(RUNNING).items()}
+        if not entries:
+            return []
+        leased, queued, now = self.leased(entries), self.queued(task_name), time.time()
+        out = []
+        for shard, e in entries.items():
+            if shard in leased or shard in queued or float(e.get("not_before", 0)) > now:
+                continue
+            dead_owner = e.get("owner")
+            out.append((shard, int(e.get("tries", 0)) + (1 if dead_owner else 0), dead_owner))
+        return out
+
     # -- queue -----------------------------------------------------------------------------
 
+    def queue_length(self) -> int:
+        """Messages waiting in the gpu queue, over its priority lists."""
+        return sum(int(self.r.llen(name)) for name in keys.queue_lists(GPU_QUEUE))
+
     def queued(self, task_name: str) -> set[str]:
-        """Shards named by messages waiting in the gpu queue or held unacked (ETA retries)."""
-        raws = list(self.r.lrange(GPU_QUEUE, 0, -1))
-        raws += [_unwrap_unacked(v) for v in self.r.hvals(UNACKED)]
+        """Shards named by messages waiting in the gpu queue, at any priority. Unacked
+        messages are not counted: with early acks only a dead worker's message stays
+        there, and it must not hold the shard back for the visibility timeout."""
+        raws: list[Any] = []
+        for name in keys.queue_lists(GPU_QUEUE):
+            raws += self.r.lrange(name, 0, -1)
         out: set[str] = set()
         for raw in raws:
             shard = _shard_of(raw, task_name)
             if shard is not None:
                 out.add(shard)
         return out
-
-
-def _unwrap_unacked(raw: str) -> Any:
-    try:
-        return json.loads(raw)[0]  # [message, exchange, routing_key]
-    except (ValueError, IndexError, TypeError, KeyError):
-        return None
 
 
 def _shard_of(raw: Any, task_name: str) -> str | None:
@@ -193,7 +239,9 @@ def split_shards(shards: list[ShardState], xl: ExtractionLedger
 
 
 def nowhere(todo: list[ShardState], xl: ExtractionLedger, task_name: str) -> list[ShardState]:
-    """Shards to do that are neither running nor waiting in the queue."""
+    """Shards to do that are neither running nor waiting in the queue, nor taken before
+    (those are the reaper's: runner.reap)."""
     leased = xl.leased(s.path for s in todo)
     queued = xl.queued(task_name)
-    return [s for s in todo if s.path not in leased and s.path not in queued]
+    taken = set(xl.r.hkeys(RUNNING))
+    return [s for s in todo if s.path not in leased | queued | taken]

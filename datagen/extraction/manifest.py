@@ -13,6 +13,29 @@ import threading
 from pathlib import Path
 
 MANIFEST_DIR = "manifest"
+METADATA = "extraction.json"  # what every file of the folder was made with
+# a folder's files must agree on these; the rest (model path, backend, ranks) may differ
+SAME_FOR_ALL = ("aux_layer_ids", "num_layers", "hidden_size", "dtype")
+
+
+def check_metadata(output_dir: Path, meta: dict) -> None:
+    """Write ``extraction.json`` on the first run; later runs must match it, so that no
+    folder mixes states of different layers, models or dtypes."""
+    from datagen.errors import BadInput
+
+    path = output_dir / METADATA
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        diff = [k for k in SAME_FOR_ALL if old.get(k) != meta.get(k)]
+        if diff:
+            raise BadInput(f"{path}: {', '.join(f'{k}={old.get(k)!r}' for k in diff)} but this "
+                           f"worker has {', '.join(f'{k}={meta.get(k)!r}' for k in diff)}; "
+                           "use another extraction_dir or remove the folder")
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{METADATA}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def shard_name(shard_path: str | Path) -> str:

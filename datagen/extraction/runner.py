@@ -21,13 +21,24 @@ from pathlib import Path
 from typing import Any
 
 from config.settings import Settings
+from datagen import keys
+from datagen.celery_app import EXTRACT_TASK
 from datagen.errors import BadInput
-from datagen.extraction.ledger import ExtractionLedger
+from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger
 from datagen.training_set import extraction_dir
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTERS = "dead_letters.jsonl"  # in the extraction folder, one JSON line per failure
+
+
+Send = Callable[[str, bool], None]  # (shard, retry?) -> one message on the gpu queue
+
+
+def send_shard(app: Any, shard: str, retry: bool = False) -> None:
+    """One message for a shard; a shard that comes back goes ahead of fresh ones."""
+    app.send_task(EXTRACT_TASK, kwargs={"shard": shard}, queue=GPU_QUEUE,
+                  priority=keys.RETRY_PRIORITY if retry else keys.FRESH_PRIORITY)
 
 
 def worker_id() -> str:
@@ -46,7 +57,7 @@ def extraction_config(settings: Settings) -> Any:
         batch_tokens=settings.extract_batch_tokens,
         attn_implementation=settings.extract_attn_implementation,
         trust_remote_code=settings.trust_remote_code,
-        writer_threads=threads, max_pending_writes=2 * threads)
+        writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend)
 
 
 def file_sha256(path: Path) -> str:
@@ -105,6 +116,7 @@ def run(settings: Settings, xl: ExtractionLedger, extractor: Callable[[], Any],
             return {"status": "busy"}  # a live worker runs it; this message is a duplicate
         if xl.is_done(shard, sha):  # finished between the check and the lease
             return {"status": "done before"}
+        log.info("shard %s taken by %s", shard, me)
         result = extractor().run_shard(path, progress=_reporter(xl, shard, me))
         now = time.time()
         dead_letter(settings, [{"kind": "sample", "shard": shard, "idx": f.idx, "id": f.id,
@@ -126,3 +138,36 @@ def give_up(settings: Settings, xl: ExtractionLedger, shard: str,
                             "reason": reason, "worker": worker_id(), "time": time.time()}])
     xl.mark_dead(shard, sha, reason, worker_id())
     return {"status": "dead", "reason": reason}
+
+
+def fail(settings: Settings, xl: ExtractionLedger, shard: str,
+         exc: BaseException) -> dict[str, Any]:
+    """A whole-shard failure: retried after extract_retry_countdown_s by the reaper (no
+    Celery countdown: its ETA message would wait in `unacked` if this worker died), then
+    dead-lettered after extract_max_retries retries."""
+    tries = xl.retry_later(shard, settings.extract_retry_countdown_s)
+    log.error("shard %s failed (try %d): %s: %s", shard, tries, type(exc).__name__, exc,
+              exc_info=exc)
+    if tries > settings.extract_max_retries:
+        return give_up(settings, xl, shard, exc)
+    return {"status": "retry", "tries": tries}
+
+
+def reap(settings: Settings, xl: ExtractionLedger, send: Send) -> int:
+    """Re-enqueue taken shards whose run died or whose retry delay is over; dead-letter those
+    that died more often than extract_max_retries. One reaper at a time over all workers."""
+    if not xl.r.set(keys.EXTRACT_REAPER_LOCK, worker_id(), nx=True, px=1000):
+        return 0
+    count = 0
+    for shard, tries, dead_owner in xl.reclaimable(EXTRACT_TASK):
+        if tries > settings.extract_max_retries:
+            give_up(settings, xl, shard, RuntimeError(
+                f"{tries} runs ended without a result, the last on {dead_owner or '?'}"))
+            continue
+        if dead_owner:
+            log.warning("shard %s: its run on %s died (lease expired); re-enqueued ahead of "
+                        "fresh shards (try %d)", shard, dead_owner, tries + 1)
+        xl.requeued(shard, tries)
+        send(shard, True)
+        count += 1
+    return count

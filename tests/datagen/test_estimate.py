@@ -45,7 +45,7 @@ def test_text_shows_the_arithmetic():
     text = plan.text
     assert "137,500,000 tokens x 57,360 B = 7,887,000,000,000 B = 7.89 TB" in text
     assert "(34,000 tokens/s x 8 GPUs) / 3600 = 0.1 h" in text
-    assert "H 7168 x 2 B + 16 B" in text
+    assert "H 7168 x 2 B = 57,344 B of states + 16 B (ids, mask) = 57,360 B" in text
     assert text.count("\n") == len(ORIGINAL_RUN) + 5
 
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from datagen.errors import BadInput
 from datagen.extraction.estimate import InsufficientDiskSpace
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import TMP_MARK
@@ -177,6 +178,25 @@ def test_second_run_writes_nothing(extractor, tmp_path):
     again = extractor.run_shard(tmp_path / "shard.jsonl")
     assert (again.written, again.skipped_done) == (0, 5)
     assert mtimes == [f.stat().st_mtime_ns for f in data_files(Path(extractor.cfg.output_dir))]
+
+
+def test_aux_layers_default_to_specforge_and_are_written_into_the_metadata(model, tmp_path):
+    # Given: the default aux layers of an 8-layer model, [1, N//2-1, N-4]
+    out = tmp_path / "out"
+    write_shard(tmp_path / "shard.jsonl", 3)
+    with make_extractor(model, out) as ex:
+        assert ex.aux_layer_ids == (1, 3, 4)
+        ex.run_shard(tmp_path / "shard.jsonl")
+    meta = json.loads((out / "extraction.json").read_text())
+    assert (meta["aux_layer_ids"], meta["num_layers"], meta["hidden_size"]) == ([1, 3, 4], 8, 64)
+    assert (meta["backend"], meta["dtype"]) == ("hf", "float32")
+
+    # When/Then: a worker with other aux layers may not write into the same folder
+    write_shard(tmp_path / "more.jsonl", 5)  # 2 samples not done yet
+    with make_extractor(model, out, aux_layer_ids=(2, 4, 5)) as ex, pytest.raises(
+            BadInput, match=r"aux_layer_ids=\[1, 3, 4\] but this worker has "
+                            r"aux_layer_ids=\[2, 4, 5\]"):
+        ex.run_shard(tmp_path / "more.jsonl")
 
 
 def test_leftover_temp_and_unrecorded_file_are_redone(extractor, tmp_path):

@@ -1,1 +1,24 @@
-"""The model side of extraction: swappable implementations behind one small interface."""
+"""The model side of extraction: swappable implementations behind one small interface
+(``base.Backend``). torch and the model libraries load only when a backend is created."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAMES = ("hf", "hf-tp", "sglang")
+# backends whose model spans the replica's ranks: each rank loads its part, all run each row
+DISTRIBUTED = ("hf-tp", "sglang")
+
+
+def create(name: str, cfg: Any, device: Any) -> Any:
+    """The backend ``name`` for an ExtractionConfig, its model loaded onto ``device``."""
+    if name == "hf":
+        from datagen.extraction.backends import hf
+        return hf.create(cfg, device)
+    if name == "hf-tp":
+        from datagen.extraction.backends import hf_tp
+        return hf_tp.create(cfg, device)
+    if name == "sglang":
+        from datagen.extraction.backends import sglang
+        return sglang.create(cfg, device)
+    raise ValueError(f"extract_backend={name!r}: expected one of {list(NAMES)}")

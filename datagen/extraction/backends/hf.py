@@ -1,4 +1,4 @@
-"""The target model side of extraction: loading, aux-layer hooks, packed forward.
+"""The `hf` backend: a transformers model on one device; loading, aux-layer hooks, packed forward.
 
 Only the base model runs (``model.model``): it ends with the final norm, so its
 ``last_hidden_state`` is exactly what SpecForge stores as ``hidden_state`` and the LM head
@@ -134,6 +134,35 @@ class RowRunner:
         finally:
             self.capture.target = None
         out[:, self.n_aux * self.hidden:].copy_(res[0][0])
+
+
+class HFBackend(RowRunner):
+    """A transformers model as a backend (base.Backend); `hf-tp` uses it too, over a model
+    that transformers has split across the ranks."""
+
+    packs = True
+
+    def __init__(self, model: Any, aux_ids: Sequence[int], device: torch.device):
+        super().__init__(model, aux_ids, device)
+        self.model = model
+        self.aux_layer_ids = tuple(aux_ids)
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+
+    def close(self) -> None:
+        self.capture.remove()
+
+
+def aux_ids_for(model: Any, wanted: Sequence[int] | None) -> tuple[int, ...]:
+    from datagen.extraction.estimate import default_aux_layer_ids
+
+    return tuple(wanted or default_aux_layer_ids(int(model.config.num_hidden_layers)))
+
+
+def create(cfg: Any, device: torch.device) -> HFBackend:
+    model = load_model(cfg.model_path, cfg.dtype, device, cfg.attn_implementation,
+                       cfg.trust_remote_code)
+    return HFBackend(model, aux_ids_for(model, cfg.aux_layer_ids), device)
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,0 +1,88 @@
+"""The replica's start-up checks and the reaper of taken shards (a real Redis, no model)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from config.settings import load_settings
+from datagen import keys
+from datagen.extraction import ledger as xlm
+from datagen.extraction import runner
+from datagen.extraction.replica import Devices, check_start, is_replica, parse_gpus, rank_env
+from datagen.generation.ledger import connect
+
+
+@pytest.mark.parametrize(("spec", "kind", "ids"), [
+    ("0-7", "cuda", tuple(range(8))), ("0,2,4", "cuda", (0, 2, 4)), ("3", "cuda", (3,)),
+    ("0-1,4", "cuda", (0, 1, 4)), ("cpu:2", "cpu", (0, 1)), ("cpu", "cpu", (0,))])
+def test_gpus_spec(spec: str, kind: str, ids: tuple[int, ...]) -> None:
+    assert parse_gpus(spec) == Devices(kind, ids)
+
+
+@pytest.mark.parametrize("spec", ["7-0", "a", "0,0", "cpu:0", "0-", "gpu:2"])
+def test_bad_gpus_spec_names_the_setting(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"gpus="):
+        parse_gpus(spec)
+
+
+def test_start_refused_with_fewer_devices_or_a_one_device_backend() -> None:
+    s = load_settings(None, env={"DATAGEN_GPUS": "0-7", "DATAGEN_EXTRACT_BACKEND": "hf-tp"})
+    with pytest.raises(ValueError, match=r"asks for device 7 but 2 CUDA devices are visible"):
+        check_start(s, parse_gpus("0-7"), visible=2)
+    check_start(s, parse_gpus("0-7"), visible=8)
+    hf = s.replace(extract_backend="hf")
+    with pytest.raises(ValueError, match=r"runs on one device: use hf-tp or sglang"):
+        check_start(hf, parse_gpus("0-7"), visible=8)
+    with pytest.raises(ValueError, match=r"sglang' needs CUDA"):
+        check_start(s.replace(extract_backend="sglang"), parse_gpus("cpu:2"))
+    assert not is_replica(hf, parse_gpus("3")) and is_replica(s, parse_gpus("3"))
+
+
+def test_ranks_see_the_replica_devices_among_the_visible_ones() -> None:
+    env = rank_env(parse_gpus("1,3"), 1, 29500, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,7"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("1", "1", "2")
+    assert rank_env(parse_gpus("cpu:2"), 0, 1, {})["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_reaper_requeues_a_dead_run_ahead_of_fresh_shards_and_dead_letters_a_repeat(
+        redis_url: str, tmp_path: Path) -> None:
+    r = connect(redis_url)
+    settings = load_settings(None, env={"DATAGEN_REDIS_URL": redis_url,
+                                        "DATAGEN_OUTPUT_DIR": str(tmp_path),
+                                        "DATAGEN_EXTRACT_MAX_RETRIES": "1"})
+    xl = xlm.ExtractionLedger(r)
+    # a run that died holding its shard (owner, no lease), one that died for the second
+    # time, one that failed and waits out its retry delay, and one that runs
+    for shard, entry in {"a": {"tries": 0, "owner": "gone"}, "b": {"tries": 1, "owner": "gone"},
+                         "c": {"tries": 1, "owner": None, "not_before": time.time() + 60},
+                         "d": {"tries": 0, "owner": "live"}}.items():
+        r.hset(xlm.RUNNING, shard, json.dumps(entry))
+    r.set(xlm.lease_key("d"), "live")
+    sent: list[tuple[str, bool]] = []
+
+    assert runner.reap(settings, xl, lambda shard, retry: sent.append((shard, retry))) == 1
+
+    assert sent == [("a", True)]
+    assert json.loads(r.hget(xlm.RUNNING, "a"))["tries"] == 1
+    assert "b" in xl.dead() and "2 runs ended without a result, the last on gone" in (
+        xl.dead()["b"]["reason"])
+    assert set(r.hkeys(xlm.RUNNING)) == {"a", "c", "d"}
+    assert r.exists(keys.EXTRACT_REAPER_LOCK)
+
+
+def test_reclaimed_shards_are_sent_at_the_retry_priority(redis_url: str) -> None:
+    from datagen.celery_app import make_app
+
+    r = connect(redis_url)
+    settings = load_settings(None, env={"DATAGEN_REDIS_URL": redis_url})
+    app = make_app(settings)
+    runner.send_shard(app, "fresh")
+    runner.send_shard(app, "back", retry=True)
+    lists = keys.queue_lists(xlm.GPU_QUEUE)
+    assert r.llen(lists[0]) == 1 and r.llen(lists[-1]) == 1  # step 0 is served first
+    assert xlm.ExtractionLedger(r).queued("datagen.extract") == {"fresh", "back"}
