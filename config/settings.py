@@ -66,6 +66,8 @@ class Settings:
     precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
     # Higher lands closer to the budget from below, at the price of a slower finish.
     admission_margin_sd: float = 1.0  # reserve, in sd of what is in flight, at admission
+    # Until this many responses are known, each request in flight counts at its cap.
+    admission_min_responses: int = 1  # responses before the length model is used
 
     # HTTP: every call carries both timeouts (the threads pool cannot kill a task).
     connect_timeout_s: float = 10.0  # connect timeout of every HTTP call
@@ -110,7 +112,7 @@ class Settings:
     def __post_init__(self) -> None:
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
                   "long_max_tokens", "long_threshold_tokens", "token_budget",
-                  "visibility_timeout_s")
+                  "visibility_timeout_s", "admission_min_responses")
         if self.budget_counts not in BUDGET_MEASURES:
             raise SettingsError(
                 f"budget_counts: {self.budget_counts!r} is not one of {BUDGET_MEASURES}")
