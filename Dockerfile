@@ -1,11 +1,12 @@
 # syntax=docker/dockerfile:1
 # The project image: producer, short/long workers, Flower, the metrics endpoint and the
-# SGLang simulator. `--build-arg EXTRAS=gpu` adds torch for the hidden-state extraction
+# SGLang simulator. `--build-arg EXTRAS=extract` adds torch for the hidden-state extraction
 # worker (`datagen worker gpu`); torch's wheels carry their CUDA libraries, so the host
 # needs only the NVIDIA driver and container toolkit.
 FROM python:3.11-slim
 
 ARG EXTRAS=""
+ARG TORCH="torch==2.13.0"
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -15,6 +16,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY requirements requirements
+# Exactly the locked environment the tests run in (requirements/lock.txt), torch pinned too.
+RUN pip install -r requirements/lock.txt \
+    && case ",${EXTRAS}," in *,extract,*|*,gpu,*) pip install "${TORCH}" ;; esac
 COPY cli cli
 COPY config config
 COPY datagen datagen
@@ -22,7 +27,7 @@ COPY producers producers
 COPY workers workers
 COPY simulator simulator
 COPY data/demo data/demo
-RUN pip install ".${EXTRAS:+[$EXTRAS]}"
+RUN pip install --no-deps .
 
 # The tokenizer the simulator setup (compose.sim.yaml) tokenizes with: built offline,
 # byte-identical on every build (vocabulary 4096, eos id 2).

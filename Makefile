@@ -7,6 +7,9 @@ DATAGEN := $(PY) -m cli.main
 CONFIG ?=
 CFG := $(if $(CONFIG),--config $(CONFIG),)
 PYTEST_ARGS ?=
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+UV ?= uv==0.13.9
 ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -14,19 +17,22 @@ ARGS ?=
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements/lock.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned to the CPU build this machine kind carries (the range in
-	# pyproject would otherwise pull a multi-GB CUDA build on a CPU-only machine).
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[gpu,dev]"
+	$(PY) -m pip install -q --upgrade pip "$(UV)"
+	@# torch first, with pip, as $(TORCH) from $(TORCH_INDEX) when set. PyPI's Linux torch is
+	@# the multi-GB CUDA build; on a CPU-only machine pass the CPU index:
+	@#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install --progress-bar on "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+	@# then everything else, exactly as locked (uv: seconds where pip takes minutes)
+	$(VENV)/bin/uv pip install --python $(PY) -r requirements/lock.txt
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the project with its test tools
 
 demo: install ## run the whole pipeline on the bundled demo partition (no GPU, no Redis needed)
-	$(DATAGEN) demo
+	$(DATAGEN) demo $(ARGS)
 
 test: install ## run the whole test suite (starts its own Redis, simulator and workers)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -48,8 +54,8 @@ workers: install ## start a short and a long worker (concurrency from the settin
 worker-gpu: install ## start one extraction worker (set CUDA_VISIBLE_DEVICES per GPU)
 	$(DATAGEN) worker gpu $(CFG)
 
-flower: install ## start Flower with authentication (flower_basic_auth setting)
-	$(DATAGEN) flower $(CFG)
+flower: install ## start Flower with authentication (flower_basic_auth; ARGS="--port N")
+	$(DATAGEN) flower $(CFG) $(ARGS)
 
 status: install ## one table of every dataset's budget, tokens and state
 	$(DATAGEN) status $(CFG)
@@ -62,6 +68,9 @@ prepare: install ## merge, dedup, shuffle and shard the records into training/ (
 
 extract: install ## enqueue hidden-state extraction of every shard not done, follow progress
 	$(DATAGEN) extract $(CFG)
+
+handoff: install ## (re)write vocab_mapping.pt, draft + SpecForge run config; print `specforge train`
+	$(DATAGEN) handoff $(CFG)
 
 estimate: install ## extraction disk bytes and hours, with the arithmetic (ARGS="--gpus 8")
 	$(DATAGEN) estimate $(CFG) $(ARGS)
@@ -102,9 +111,14 @@ bench-ledger: install ## Redis time per admit/commit at 0-10,000 in flight; traf
 bench-memory: install ## merge and rebuild peak memory at 100,000 records (goal <= 500 MB)
 	$(PY) bench/bench_memory.py
 
+lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra but torch)
+	$(VENV)/bin/uv pip compile pyproject.toml requirements/extract-without-torch.in --extra demo \
+		--extra plot --extra dev --universal --python-version 3.11 -q \
+		--custom-compile-command "make lock" -o requirements/lock.txt
+
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) runs
 
 .PHONY: help install demo test lint produce run workers worker-gpu flower status merge prepare \
-	extract estimate calibrate recover metrics plot up up-sim down bench bench-load bench-ledger bench-memory \
-	clean
+	extract handoff estimate calibrate recover metrics plot up up-sim down bench bench-load \
+	bench-ledger bench-memory lock clean

@@ -7,7 +7,7 @@
 The model gets random weights built directly on the device in the target dtype (nothing is
 saved or downloaded) and is handed to ``Extractor.from_model``. The pipeline writes real files
 into a scratch folder and a background thread deletes each one as soon as it is complete, so
-disk use stays bounded by the files in flight (REFERENCE.md: 64 GiB disk on the H200 box).
+disk use stays bounded by the files in flight (the H200 hosts lent here have 64 GiB of disk).
 
 Phases:
   forward   Extractor batches through the base model with aux hooks, no copies, no files
@@ -67,7 +67,7 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.extraction_model import DTYPES
+    from datagen.extraction.backends.hf import DTYPES
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                       intermediate_size=args.intermediate, num_hidden_layers=args.layers,
@@ -120,7 +120,7 @@ class Gpu:
 
 
 def phase_forward(ex: Any, samples: list[dict], gpu: Gpu) -> dict:
-    from workers.extraction_io import prepare
+    from datagen.extraction.files import prepare
 
     prepared = [prepare(1, s, ex.cfg.max_length, "truncate", ex.vocab_size) for s in samples]
     batches = ex._batches(prepared)
@@ -220,8 +220,8 @@ def print_table(results: dict) -> None:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from workers.extraction import ExtractionConfig, Extractor
-    from workers.extraction_model import resolve_device
+    from datagen.extraction.backends.hf import resolve_device
+    from datagen.extraction.extractor import ExtractionConfig, Extractor
 
     device = resolve_device(args.device or ("cpu" if args.tiny else "auto"))
     gpu = Gpu(device)

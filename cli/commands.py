@@ -7,17 +7,19 @@ import json
 import os
 import secrets
 import sys
-from typing import Any
 
 from cli.extraction import (
     cmd_calibrate,
     cmd_estimate,
     cmd_extract,
+    cmd_handoff,
     cmd_prepare,
     require_model_path,
 )
+from cli.output import merge_all, print_json, print_summary, render_produce
 from config.settings import Settings, settings_fields
 from datagen import dead as dead_mod
+from datagen import handoff
 from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
 from datagen.generation.follower import follow
@@ -25,11 +27,12 @@ from datagen.generation.guard import close, enqueue
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
-from datagen.generation.merge import datasets_on_disk, merge_dataset
+from datagen.generation.merge import datasets_on_disk
+from datagen.training_set import extraction_dir
 
 EXIT_BAD_INPUT = 3
 # The extraction phase's subcommands live in cli/extraction.py; main dispatches through here.
-__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_prepare"]
+__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_handoff", "cmd_prepare"]
 
 
 def _ledger(settings: Settings) -> Ledger:
@@ -37,8 +40,6 @@ def _ledger(settings: Settings) -> Ledger:
 
 
 def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
-    from cli.main import print_json  # noqa: PLC0415
-
     print_json(settings.public())
     return 0
 
@@ -52,57 +53,28 @@ def cmd_produce(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_BAD_INPUT if any(r.bad for r in reports) else 0
 
 
-def render_produce(reports: list[Any]) -> str:
-    lines = [f"{'dataset':<14} {'read':>6} {'enqueued':>8} {'short':>6} {'long':>5} "
-             f"{'done':>6} {'queued':>6} {'clamped':>7} {'skipped':>7}"]
-    for r in reports:
-        lines.append(f"{r.dataset:<14} {r.read:>6} {r.enqueued:>8} {r.short:>6} {r.long:>5} "
-                     f"{r.already_done:>6} {r.already_queued:>6} {r.clamped:>7} "
-                     f"{r.bad_count:>7}")
-    for r in reports:
-        for line in (r.rebuilt, r.skipped):
-            if line:
-                lines.append(line)
-        for bad in r.bad[:10]:
-            lines.append(f"  skipped {bad}")
-        if r.bad_count > 10:
-            lines.append(f"  ... {r.bad_count - 10} more in reports/{r.dataset}.bad.txt")
-    total_bad = sum(r.bad_count for r in reports)
-    lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input")
-    return "\n".join(lines)
-
-
 def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
-    from cli.main import print_json  # noqa: PLC0415
-
     ledger = _ledger(settings)
     if args.json:
         print_json(status_mod.as_json(status_mod.rows(ledger)))
         return 0
     if not args.watch:
         print(status_mod.render(status_mod.rows(ledger)))
+        ready = handoff.existing(extraction_dir(settings))
+        if ready:  # a finished extraction: where to train from
+            print(ready)
         return 0
     follow(ledger, args.interval, until_finished=False)
     return 0
 
 
 def cmd_dead(settings: Settings, args: argparse.Namespace) -> int:
-    from cli.main import print_json  # noqa: PLC0415
-
     table = dead_mod.read(_ledger(settings), [args.dataset] if args.dataset else [])
     if args.json:
         print_json(dead_mod.as_json(table))
     else:
         print(dead_mod.render(table))
     return 0
-
-
-def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
-    """The end-of-run table, and why samples died when any did."""
-    print(status_mod.render(table))
-    reasons = dead_mod.summary(dead_mod.read(ledger, [r.dataset for r in table]))
-    if reasons:
-        print(reasons)
 
 
 def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
@@ -113,7 +85,7 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
     table = follow(ledger, args.interval, app=make_app(settings),
                    on_lost=lambda: cmd_produce(settings, args))
     print_summary(ledger, table)
-    _merge_all(settings, ledger)
+    merge_all(settings, ledger)
     if code == EXIT_BAD_INPUT:
         print(f"the run finished, but input lines were skipped as bad: see "
               f"{os.path.join(settings.output_dir, 'reports')}/<dataset>.bad.txt",
@@ -123,19 +95,8 @@ def cmd_run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_merge(settings: Settings, args: argparse.Namespace) -> int:
-    _merge_all(settings, _ledger(settings), args.include_uncommitted)
+    merge_all(settings, _ledger(settings), args.include_uncommitted)
     return 0
-
-
-def _merge_all(settings: Settings, ledger: Ledger, include_uncommitted: bool = False) -> None:
-    for dataset in datasets_on_disk(settings.output_dir):
-        committed = ledger.committed(dataset) or None
-        report = merge_dataset(settings.output_dir, dataset, committed, include_uncommitted)
-        extra = f", {report.duplicates} duplicates dropped" if report.duplicates else ""
-        if report.uncommitted:
-            extra += f", {report.uncommitted} uncommitted left out"
-        print(f"{dataset}: {report.records} records, {report.completion_tokens:,} completion "
-              f"tokens -> {report.path}{extra}")
 
 
 def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
@@ -196,8 +157,8 @@ def cmd_flower(settings: Settings, args: argparse.Namespace) -> int:
         auth = f"datagen:{secrets.token_urlsafe(12)}"
         print(f"Flower login (generated, set flower_basic_auth to choose): {auth}",
               flush=True)
-    argv = [sys.executable, "-m", "celery", "-A", "datagen.celery_app", "flower",
-            f"--port={args.port}", f"--address={args.address}", f"--basic-auth={auth}"]
+    argv = [sys.executable, "-m", "datagen.flower", f"--port={args.port}",
+            f"--address={args.address}", f"--basic-auth={auth}"]
     os.execv(argv[0], argv)
     return 1  # not reached
 
@@ -213,7 +174,7 @@ def cmd_plot(settings: Settings, args: argparse.Namespace) -> int:
     try:
         from datagen.plot import plot_run, run_budgets  # noqa: PLC0415
     except ImportError as exc:
-        print(f"datagen plot: needs matplotlib ({exc}); pip install matplotlib",
+        print(f"datagen plot: needs matplotlib ({exc}); pip install 'datagen[plot]'",
               file=sys.stderr)
         return 2
     out = args.out or os.path.join(settings.output_dir, "progress.png")

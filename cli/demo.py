@@ -17,10 +17,11 @@ import shutil
 import time
 from pathlib import Path
 
-from cli.commands import _merge_all, print_summary, render_produce
 from cli.extraction import cmd_extract, committed_maps, decoder
+from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
+from datagen import handoff
 from datagen.celery_app import make_app
 from datagen.generation.follower import follow
 from datagen.generation.ledger import Ledger
@@ -67,8 +68,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 worker.stop()
             env.update(EXTRACT_ENV, DATAGEN_MODEL_PATH=str(workdir / "model"))
             os.environ.update(env)
+            _build_model(workdir, tokenizer, encoder.vocab_size)  # the gpu worker checks it
             procs.append(start_worker("gpu", child_env(env), logs))
-            return _extract(workdir, tokenizer, encoder.vocab_size, started)
+            return _extract(started)
         finally:
             if not args.keep:
                 for proc in reversed(procs):
@@ -86,22 +88,25 @@ def _produce_and_follow(started: float) -> int:
     table = follow(ledger, 1.0, app=app, timeout_s=240)
     print("\nsummary")
     print_summary(ledger, table)
-    _merge_all(settings, ledger)
+    merge_all(settings, ledger)
     closed = [r.dataset for r in table if r.state.startswith("closed")]
     print(f"\ngeneration finished in {time.monotonic() - started:.0f}s; closed by budget: "
           f"{', '.join(closed) or 'none'}; records under {settings.output_dir}", flush=True)
     return 0
 
 
-def _extract(workdir: Path, tokenizer: Path, vocab_size: int, started: float) -> int:
+def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415
+
     from datagen.tiny_model import build_tiny_llama  # noqa: PLC0415 (torch)
 
     print("\nextraction: tiny random Llama as the target model, one gpu worker on the CPU",
           flush=True)
-    from transformers.utils import logging as hf_logging  # noqa: PLC0415
-
     hf_logging.disable_progress_bar()
     build_tiny_llama(workdir / "model", vocab_size, tokenizer_dir=tokenizer)
+
+
+def _extract(started: float) -> int:
     settings = load_settings(DEMO_CONFIG)
     tset = prepare(settings, committed_maps(settings), decoder(settings))
     print(render(tset), flush=True)
@@ -110,9 +115,11 @@ def _extract(workdir: Path, tokenizer: Path, vocab_size: int, started: float) ->
     out = extraction_dir(settings)
     print(_check_one_file(out, tset.shards[0]["path"], settings.output_dir))
     print(f"\ndemo finished in {time.monotonic() - started:.0f}s\n"
-          f"  training set (shards, manifest):  {tset.directory}\n"
-          f"  conversations for online training: {tset.conversations}\n"
-          f"  SpecForge hidden states:           {out}  (data_<idx>.ckpt under rows_*/)")
+          f"  training set (shards, manifest):    {tset.directory}\n"
+          f"  pre-tokenized rows (online, exact): {tset.online_rows}\n"
+          f"  conversations (online, lossy):      {tset.conversations}\n"
+          f"  SpecForge handoff (offline):        {out}  (data_<idx>.ckpt under rows_*/, "
+          f"{handoff.RUN_CONFIG_NAME})")
     return code
 
 
@@ -123,8 +130,9 @@ def _check_one_file(out: Path, shard: str, output_dir: str) -> str:
     import torch  # noqa: PLC0415
 
     with open(Path(output_dir) / shard, encoding="utf-8") as fh:
-        rec = json.loads(fh.readline())
-    path = next(out.rglob(f"data_{rec['idx']}.ckpt"))
+        recs = [json.loads(line) for line in fh]
+    # the first sample with a file: the train_max_length rule may have left some out
+    rec, path = next((r, p) for r in recs for p in out.rglob(f"data_{r['idx']}.ckpt"))
     data = torch.load(path, weights_only=True)
     ids = rec["prompt_ids"] + rec["output_ids"]
     assert data["input_ids"].tolist() == ids[:len(data["input_ids"])], "input_ids differ"

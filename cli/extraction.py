@@ -1,4 +1,4 @@
-"""The extraction phase's subcommands: prepare, extract, estimate, calibrate.
+"""The extraction phase's subcommands: prepare, extract, handoff, estimate, calibrate.
 
 Like every producer-side command they enqueue by task name and never import worker code or
 torch (``calibrate`` is the exception: it runs the model on this machine, by design).
@@ -7,7 +7,6 @@ torch (``calibrate`` is the exception: it runs the model on this machine, by des
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -16,10 +15,11 @@ from typing import Any
 import redis
 
 from config.settings import Settings
-from datagen import extraction_ledger as xlm
-from datagen import training_set
+from datagen import draft_config, handoff, training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
-from datagen.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.extraction import ledger as xlm
+from datagen.extraction.estimate import DTYPE_BYTES, check_disk, estimate, load_calibration
+from datagen.extraction.manifest import shard_name
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 
@@ -55,7 +55,7 @@ def decoder(settings: Settings) -> Any:
         return None
     from datagen.tokenizer import ChatEncoder  # noqa: PLC0415
 
-    encoder = ChatEncoder(path)
+    encoder = ChatEncoder(path, trust_remote_code=settings.trust_remote_code)
     # special tokens (eos, role markers) are the template's, not the assistant's text
     return lambda ids: encoder.decode(ids, skip_special_tokens=True)
 
@@ -64,8 +64,7 @@ def model_shape(model_path: str) -> tuple[int, int]:
     """(hidden_size, num_hidden_layers) from a local model's config.json."""
     if not model_path:
         raise ValueError("model_path is not set: set it, or pass --hidden-size/--num-layers")
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    config = config.get("text_config", config)  # multimodal checkpoints nest the LM's config
+    config = draft_config.text_config(draft_config.read_target_config(model_path))
     return int(config["hidden_size"]), int(config["num_hidden_layers"])
 
 
@@ -90,7 +89,7 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     if not todo and not dead:
         print(f"all {len(shards)} shards done ({manifest['samples']:,} samples, "
               f"{manifest['tokens']:,} tokens): nothing to enqueue; files under {out}")
-        return 0
+        return write_handoff(settings, shards)
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
     need = check_disk(out, sum(s.tokens for s in todo), hidden,
@@ -105,7 +104,33 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
           flush=True)
     if args.no_wait:
         return 0
-    return follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+    code = follow_extraction(xl, app, shards, args.interval, args.timeout_s, out)
+    if code:
+        print("SpecForge handoff not written: extraction is incomplete")
+        return code
+    return write_handoff(settings, shards)
+
+
+def write_handoff(settings: Settings, shards: list[xlm.ShardState]) -> int:
+    """vocab_mapping.pt, draft_config.json and the run config next to the files, then the
+    folder and the `specforge train` line that trains on it."""
+    try:
+        made = handoff.write_handoff(
+            training_set.extraction_dir(settings), [shard_name(s.path) for s in shards],
+            settings.model_path, settings.draft_vocab_size, settings.train_max_length,
+            settings.trust_remote_code)
+    except (ValueError, ImportError) as exc:
+        print(f"SpecForge handoff not written: {exc}")
+        return EXIT_INCOMPLETE
+    print(handoff.describe(made))
+    return 0
+
+
+def cmd_handoff(settings: Settings, args: argparse.Namespace) -> int:
+    """Write the handoff again (another draft_vocab_size, a moved model) from the counts."""
+    require_model_path(settings)
+    manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
+    return write_handoff(settings, xlm.shard_states(manifest))
 
 
 def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.ShardState],
@@ -149,10 +174,11 @@ def _finished(xl: xlm.ExtractionLedger, shards: list[xlm.ShardState],
               out: Path) -> int:
     results = xl.done()
     dead_samples = sum(int(results[s.path].get("failed", 0)) for s in done)
+    left_out = sum(int(results[s.path].get("skipped_overlong", 0)) for s in done)
     print(f"extraction finished: {len(done)}/{len(shards)} shards, "
           f"{sum(s.samples for s in done):,} samples, {sum(s.tokens for s in done):,} tokens "
-          f"in {seconds:.0f}s; {dead_samples} samples and {len(dead)} shards dead-lettered; "
-          f"files under {out}")
+          f"in {seconds:.0f}s; {left_out} samples left out by train_max_length; "
+          f"{dead_samples} samples and {len(dead)} shards dead-lettered; files under {out}")
     if dead or dead_samples:
         print(f"reasons in {out}/dead_letters.jsonl; `datagen extract` retries dead shards")
         return EXIT_INCOMPLETE
@@ -266,8 +292,8 @@ def calibration_file(settings: Settings) -> str:
 def cmd_calibrate(settings: Settings, args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415 (this command runs the model on this machine)
 
-    from datagen.estimate import save_calibration  # noqa: PLC0415
-    from workers.extraction import calibrate  # noqa: PLC0415 (loads the model here)
+    from datagen.extraction.estimate import save_calibration  # noqa: PLC0415
+    from datagen.extraction.extractor import calibrate  # noqa: PLC0415 (loads the model here)
 
     if not settings.model_path:
         raise ValueError("model_path is not set (DATAGEN_MODEL_PATH, --config)")

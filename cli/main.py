@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import redis
 
-from config.settings import Settings, SettingsError, load_settings, masked_url
+from config.settings import (
+    BUDGET_MEASURES,
+    Settings,
+    SettingsError,
+    load_settings,
+    masked_url,
+)
 from datagen.errors import DatagenError, LedgerUnavailable
 
 log = logging.getLogger("datagen")
 
-# Flags users of the original single-process script know, mapped to settings fields.
+# Flags users of the original single-process script know, mapped to settings fields. Each
+# flag's help is its setting's own comment in config/settings.py.
 RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--partition": ("partition", str),
     "--data-dir": ("data_dir", str),
@@ -34,24 +40,58 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--context-length": ("context_length", int),
     "--token-budget": ("token_budget", int),
     "--max-samples": ("max_samples", int),
+    "--budget-counts": ("budget_counts", str),
+}
+ALL_FLAGS = tuple(RUN_FLAGS)
+LEDGER_FLAGS = ("--redis-url",)
+# The settings flags each subcommand reads; the commands that produce (or start the processes
+# that generate) take them all. `demo` brings its own settings.
+COMMAND_FLAGS: dict[str, tuple[str, ...]] = {
+    "produce": ALL_FLAGS, "run": ALL_FLAGS, "recover": ALL_FLAGS, "budget": ALL_FLAGS,
+    "worker": ALL_FLAGS, "config": ALL_FLAGS,
+    "status": LEDGER_FLAGS, "dead": LEDGER_FLAGS, "sweep": LEDGER_FLAGS,
+    "flower": LEDGER_FLAGS, "metrics": LEDGER_FLAGS,
+    "merge": (*LEDGER_FLAGS, "--output-dir"),
+    "plot": (*LEDGER_FLAGS, "--output-dir", "--token-budget", "--budget-counts"),
+    "prepare": (*LEDGER_FLAGS, "--output-dir", "--tokenizer"),
+    "extract": (*LEDGER_FLAGS, "--output-dir"),
+    "handoff": (*LEDGER_FLAGS, "--output-dir"),
+    "estimate": (*LEDGER_FLAGS, "--output-dir", "--token-budget"),
+    "calibrate": ("--output-dir",),
+    "demo": (),
 }
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML settings file (also $DATAGEN_CONFIG)")
-    for flag, (field, kind) in RUN_FLAGS.items():
-        parser.add_argument(flag, dest=field, type=kind, default=None)
-    parser.add_argument("--budget-counts", dest="budget_counts",
-                        choices=("completion", "total"), default=None)
+def _setting_help() -> dict[str, str]:
+    from config.reference import descriptions  # noqa: PLC0415
+
+    source = Path(__file__).resolve().parent.parent / "config" / "settings.py"
+    return descriptions(source.read_text(encoding="utf-8"))
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, flags: Sequence[str],
+                        text: Mapping[str, str]) -> None:
+    if not flags:
+        return
+    group = parser.add_argument_group("settings (override the TOML file and DATAGEN_*)")
+    group.add_argument("--config", metavar="FILE",
+                       help="TOML settings file (also $DATAGEN_CONFIG)")
+    for flag in flags:
+        field, kind = RUN_FLAGS[flag]
+        choices = BUDGET_MEASURES if field == "budget_counts" else None
+        group.add_argument(flag, dest=field, type=kind, default=None, choices=choices,
+                           metavar=None if choices else "N" if kind is int
+                           else field.split("_")[-1].upper(),
+                           help=f"{text.get(field, '')} (setting {field})")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     overrides = {field: getattr(args, field, None) for field, _ in RUN_FLAGS.values()}
-    overrides["budget_counts"] = getattr(args, "budget_counts", None)
-    settings = load_settings(args.config, overrides=overrides)
+    config = getattr(args, "config", None)
+    settings = load_settings(config, overrides=overrides)
     # Child processes (workers started from here) must load exactly these settings.
-    if args.config:
-        os.environ["DATAGEN_CONFIG"] = os.path.abspath(args.config)
+    if config:
+        os.environ["DATAGEN_CONFIG"] = os.path.abspath(config)
     for field, value in overrides.items():
         if value is not None:
             os.environ[f"DATAGEN_{field.upper()}"] = str(value)
@@ -79,34 +119,48 @@ def _parser() -> argparse.ArgumentParser:
         "prepare": "merge, filter, deduplicate, shuffle and shard the records into the "
                    "training set",
         "extract": "enqueue hidden-state extraction of every shard not done, follow progress",
+        "handoff": "write vocab_mapping.pt, the draft config and the SpecForge run config "
+                   "next to the extracted files, and print the `specforge train` line",
         "estimate": "disk bytes and hours of hidden-state extraction, with the arithmetic",
         "calibrate": "measure extraction tokens/s on this machine's device and store it",
     }
     parsers = {}
+    setting_help = _setting_help()
     for name, text in commands.items():
         parsers[name] = p = sub.add_parser(name, help=text, description=text,
                                            allow_abbrev=False)
-        _add_settings_flags(p)
-    parsers["status"].add_argument("--watch", action="store_true")
-    parsers["status"].add_argument("--json", action="store_true")
-    parsers["status"].add_argument("--interval", type=float, default=2.0)
-    parsers["run"].add_argument("--interval", type=float, default=2.0)
+        _add_settings_flags(p, COMMAND_FLAGS[name], setting_help)
+    parsers["status"].add_argument("--watch", action="store_true",
+                                   help="redraw the table until interrupted")
+    parsers["status"].add_argument("--json", action="store_true",
+                                   help="print the rows as JSON instead of a table")
+    parsers["status"].add_argument("--interval", type=float, default=2.0, metavar="S",
+                                   help="seconds between redraws with --watch (default 2)")
+    parsers["run"].add_argument("--interval", type=float, default=2.0, metavar="S",
+                                help="seconds between progress lines (default 2)")
     parsers["run"].add_argument("--strict", action="store_true",
                                 help="exit 3 when input lines were skipped as bad")
     parsers["dead"].add_argument("dataset", nargs="?", help="one dataset (default: all)")
-    parsers["dead"].add_argument("--json", action="store_true")
-    parsers["merge"].add_argument("--include-uncommitted", action="store_true")
-    parsers["budget"].add_argument("dataset", nargs="?")
-    parsers["budget"].add_argument("tokens", nargs="?", type=int)
-    parsers["worker"].add_argument("queue", choices=("short", "long", "gpu"))
+    parsers["dead"].add_argument("--json", action="store_true",
+                                 help="print the reasons as JSON instead of a table")
+    parsers["merge"].add_argument("--include-uncommitted", action="store_true",
+                                  help="also keep records the ledger never counted")
+    parsers["budget"].add_argument("dataset", nargs="?",
+                                   help="the dataset to change (none: show every budget)")
+    parsers["budget"].add_argument("tokens", nargs="?", type=int,
+                                   help="its new budget in tokens (0 closes it)")
+    parsers["worker"].add_argument("queue", choices=("short", "long", "gpu"),
+                                   help="the queue to consume; Celery's own options may follow")
     # Celery's own options (-n, --loglevel, ...) may follow; settings flags work anywhere.
-    parsers["flower"].add_argument("--port", type=int, default=5555)
-    parsers["flower"].add_argument("--address", default="127.0.0.1")
-    parsers["metrics"].add_argument("--port", type=int, default=9108)
-    parsers["metrics"].add_argument("--address", default="127.0.0.1")
+    for name, port in (("flower", 5555), ("metrics", 9108)):
+        parsers[name].add_argument("--port", type=int, default=port,
+                                   help=f"port to listen on (default {port})")
+        parsers[name].add_argument("--address", default="127.0.0.1",
+                                   help="address to bind (default 127.0.0.1, this host only)")
     parsers["plot"].add_argument("--out", help="PNG path (default <output_dir>/progress.png)")
     _add_extraction_flags(parsers)
-    parsers["demo"].add_argument("--workdir", default="runs/demo")
+    parsers["demo"].add_argument("--workdir", default="runs/demo",
+                                 help="folder of the demo run (default runs/demo)")
     parsers["demo"].add_argument("--keep", action="store_true",
                                  help="leave Redis, simulator and workers running")
     return parser
@@ -119,21 +173,25 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
     ext = parsers["extract"]
     ext.add_argument("--force", action="store_true", help="start even if the disk check fails")
     ext.add_argument("--no-wait", action="store_true", help="enqueue and return")
-    ext.add_argument("--interval", type=float, default=2.0)
-    ext.add_argument("--timeout-s", type=float, default=None)
+    ext.add_argument("--interval", type=float, default=2.0, metavar="S",
+                     help="seconds between progress lines (default 2)")
+    ext.add_argument("--timeout-s", type=float, default=None, metavar="S",
+                     help="give up following after this long (the shards stay queued)")
     ext.add_argument("--hidden-size", type=int, help="instead of the model's config.json")
     est = parsers["estimate"]
     est.add_argument("--tokens", action="append", metavar="N|DATASET=N",
                      help="token count to plan for (repeat for several datasets)")
     est.add_argument("--budgeted", action="store_true",
                      help="plan for the budgets instead of the tokens done")
-    est.add_argument("--hidden-size", type=int)
-    est.add_argument("--num-layers", type=int)
-    est.add_argument("--gpus", type=int, default=1)
+    est.add_argument("--hidden-size", type=int, help="instead of the model's config.json")
+    est.add_argument("--num-layers", type=int, help="instead of the model's config.json")
+    est.add_argument("--gpus", type=int, default=1, help="GPUs extracting at once (default 1)")
     est.add_argument("--tokens-per-s", type=float, help="per GPU (default: the calibration)")
     cal = parsers["calibrate"]
-    cal.add_argument("--seq-len", type=int, default=4096)
-    cal.add_argument("--batches", type=int, default=4)
+    cal.add_argument("--seq-len", type=int, default=4096,
+                     help="tokens per measured sequence (default 4096)")
+    cal.add_argument("--batches", type=int, default=4,
+                     help="forward batches to time after one warm-up (default 4)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,15 +224,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("command failed", exc_info=True)
         print(f"datagen {args.command}: error: {exc}", file=sys.stderr)
         return 2
-
-
-def print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
-
-
-def describe(settings: Settings) -> str:
-    return (f"redis {masked_url(settings.redis_url)}, server {masked_url(settings.server_url)},"
-            f" output {settings.output_dir}, at {time.strftime('%H:%M:%S')}")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
-"""The configuration reference (docs/CONFIGURATION.md), generated from settings.py itself.
+"""The configuration reference (docs/CONFIGURATION.md) and config/default.toml, both
+generated from settings.py itself.
 
 Each setting's description is the comment beside it or the comment block above it, so
-the reference cannot drift from the code: a test regenerates it and compares.
+neither can drift from the code: a test regenerates both and compares.
 
     python -m config.reference > docs/CONFIGURATION.md
+    python -m config.reference --toml > config/default.toml
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import sys
 from pathlib import Path
 
 from config.settings import ENV_PREFIX, Settings
@@ -50,9 +54,12 @@ def descriptions(source: str) -> dict[str, str]:
     return out
 
 
+def _source() -> str:
+    return (Path(__file__).parent / "settings.py").read_text(encoding="utf-8")
+
+
 def render() -> str:
-    source = (Path(__file__).parent / "settings.py").read_text(encoding="utf-8")
-    text = descriptions(source)
+    text = descriptions(_source())
     defaults = Settings()
     rows = []
     for f in dataclasses.fields(Settings):
@@ -62,5 +69,53 @@ def render() -> str:
     return HEADER + "\n".join(rows) + "\n"
 
 
+TOML_HEADER = """\
+# Every setting with its default, generated from config/settings.py by
+# `python -m config.reference --toml` (see docs/CONFIGURATION.md). Copy, edit, pass with
+# --config or DATAGEN_CONFIG; DATAGEN_<NAME> environment variables and command-line flags
+# win over it. Settings whose default is "unset" are commented out.\
+"""
+
+
+def render_toml() -> str:
+    """Every setting in settings.py's order, with its section comments and its own comment;
+    tables (dict settings) go last, as TOML requires."""
+    text = descriptions(_source())
+    defaults = Settings()
+    names = {f.name for f in dataclasses.fields(Settings)}
+    lines: list[str] = [TOML_HEADER]
+    tables: list[str] = []
+    for line in _class_body(_source()):
+        match = FIELD_LINE.match(line)
+        stripped = line.strip()
+        if match and match.group(1) in names:
+            name = match.group(1)
+            value = getattr(defaults, name)
+            if isinstance(value, dict):
+                tables += ["", f"[{name}]  # {text.get(name, '')}".rstrip(" #")]
+                tables += [f"{k} = {_toml_value(v)}" for k, v in value.items()]
+                continue
+            entry = f"{name} = {_toml_value(value)}" if value is not None else f"# {name} ="
+            lines.append(f"{entry:<36} # {text[name]}" if name in text else entry)
+        elif stripped.startswith("#"):
+            lines.append(stripped)
+        elif not stripped and lines[-1]:
+            lines.append("")
+    return "\n".join(lines + tables).rstrip() + "\n"
+
+
+def _class_body(source: str) -> list[str]:
+    body = source.split("\nclass Settings", 1)[1].split("\n    def ", 1)[0]
+    return body.splitlines()[1:]
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float | list):
+        return json.dumps(value)
+    raise TypeError(f"no TOML form for {value!r}")
+
+
 if __name__ == "__main__":
-    print(render(), end="")
+    print(render_toml() if "--toml" in sys.argv[1:] else render(), end="")

@@ -15,6 +15,8 @@ import dataclasses
 import json
 import os
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,9 +26,15 @@ from urllib.parse import urlsplit, urlunsplit
 ENV_PREFIX = "DATAGEN_"
 CONFIG_ENV = "DATAGEN_CONFIG"
 BUDGET_MEASURES = ("completion", "total")
+REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
-EXTRACT_FORMATS = ("ckpt", "safetensors")
+
+
+RENAMED = {"extract_max_length_tokens": "train_max_length"}
+# Removed, and why (docs/DESIGN.md): a TOML or environment that still sets one fails loudly.
+REMOVED = {"extract_file_format": "SpecForge reads only .ckpt files; the safetensors variant "
+                                  "matched no trainer's contract"}
 
 
 class SettingsError(ValueError):
@@ -44,6 +52,11 @@ class Settings:
     output_dir: str = "runs/default"  # shared by every host: prompts, records, training data
     tokenizer_path: str = ""  # local tokenizer (with chat template) of the target model
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking
+    # The tokenizer (producer) and the model (extraction) may be the checkpoint's own code.
+    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
+    # "last": only the last assistant turn is generated, earlier ones keep the dataset's text
+    # (not trained on); "all": every assistant turn, in order, each after the generated ones.
+    regenerate: str = "last"  # which assistant turns are generated: "last" or "all"
 
     # Queues: one source for the worker start commands (Makefile, compose).
     long_threshold_tokens: int = 2048  # prompts longer than this go to the `long` queue
@@ -75,7 +88,7 @@ class Settings:
     max_retries: int = 5  # retries of a failing request while the server is healthy
     retry_backoff_s: float = 2.0  # base of the exponential backoff (full jitter)
 
-    # Celery/kombu. Early ack + no prefetch runs each task once (REFERENCE §4);
+    # Celery/kombu. Early ack + no prefetch runs each task once (DESIGN.md, facts);
     # lost work after a crash is found through the ledger's leases instead.
     visibility_timeout_s: int = 43_200  # kombu's; must be the same in every process
     worker_pool: str = "threads"  # pool of the short/long workers
@@ -83,6 +96,7 @@ class Settings:
     shutdown_grace_s: float = 30.0  # SIGTERM: then in-flight requests are aborted, handed back
 
     flower_basic_auth: str = ""  # "user:password"; `datagen flower` makes one when empty
+    flower_open_metrics: bool = False  # serve Flower's /metrics without its login
     # Off: Flower shows queue lengths and every task from the moment a worker receives it,
     # and the producer is ~1.6x faster. On: Flower also lists each queued task as PENDING.
     bulk_sent_events: bool = False  # task-sent events for the producer's bulk enqueue
@@ -93,26 +107,31 @@ class Settings:
 
     # Hidden-state extraction on the `gpu` queue (one worker per GPU).
     model_path: str = ""  # local HF model folder of the target model
-    trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
     # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
     aux_layer_ids: list[int] | None = None  # aux decoder layers; None: [1, N//2-1, N-4]
     extract_dtype: str = "bfloat16"  # dtype of the forward pass and of the stored states
     extract_device: str = "auto"  # "auto": cuda when there is one (CUDA_VISIBLE_DEVICES)
     extract_attn_implementation: str = "sdpa"  # transformers attn_implementation
-    extract_max_length_tokens: int = 16384  # longer samples: extract_overlong decides
+    # SpecForge's data.max_length (its default 2048): the files, the online rows and the run
+    # config all use it, so the trainer never cuts or drops what was extracted.
+    train_max_length: int = 2048  # tokens per sample kept; longer: extract_overlong decides
     extract_overlong: str = "truncate"  # "truncate" keeps the first tokens, "skip" drops
     extract_batch_tokens: int = 32768  # tokens per forward batch (the unit of OOM splitting)
-    extract_file_format: str = "ckpt"  # "ckpt" (SpecForge) or "safetensors"
     extract_writer_threads: int = 4  # threads writing files while the next batch runs
     extract_max_retries: int = 2  # whole-shard failures: Celery retries, then dead-letter
     extract_retry_countdown_s: float = 30.0  # wait before a shard's retry
     extraction_dir: str = ""  # "": <output_dir>/training/hidden_states
     calibration_path: str = ""  # "": <output_dir>/calibration.json
+    draft_vocab_size: int = 32000  # draft vocabulary of vocab_mapping.pt (capped at the target's)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
                   "long_max_tokens", "long_threshold_tokens", "token_budget",
                   "visibility_timeout_s")
+        if self.regenerate not in REGENERATE_MODES:
+            raise SettingsError(
+                f"regenerate: {self.regenerate!r} is not one of {REGENERATE_MODES}")
         if self.budget_counts not in BUDGET_MEASURES:
             raise SettingsError(
                 f"budget_counts: {self.budget_counts!r} is not one of {BUDGET_MEASURES}")
@@ -126,8 +145,8 @@ class Settings:
         for name, budget in self.budgets.items():
             if not isinstance(budget, int) or budget < 0:
                 raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
-        _positive(self, "shard_samples", "extract_max_length_tokens", "extract_batch_tokens",
-                  "extract_writer_threads")
+        _positive(self, "shard_samples", "train_max_length", "extract_batch_tokens",
+                  "extract_writer_threads", "draft_vocab_size")
         self._check_extraction()
         for url_field in ("redis_url", "server_url"):
             if "://" not in getattr(self, url_field):
@@ -136,8 +155,7 @@ class Settings:
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
-                              ("extract_overlong", EXTRACT_OVERLONG),
-                              ("extract_file_format", EXTRACT_FORMATS)):
+                              ("extract_overlong", EXTRACT_OVERLONG)):
             if getattr(self, name) not in allowed:
                 raise SettingsError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
         if self.extract_max_retries < 0 or self.extract_retry_countdown_s < 0:
@@ -169,6 +187,55 @@ class Settings:
             if out[secret]:
                 out[secret] = "***"
         return out
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(Settings)
+
+
+def _check_types(settings: Settings) -> None:
+    """Every value has its field's type (a TOML `lease_s = "30"` is refused, naming the
+    setting); an int where a float is expected becomes that float."""
+    for name, kind in _field_types().items():
+        value = getattr(settings, name)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            object.__setattr__(settings, name, float(value))  # frozen: the one widening
+        elif not _is_a(value, kind):
+            raise SettingsError(f"{name}: {value!r} is not {_type_name(kind)}")
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if kind is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_is_a(value, arg) for arg in args)
+    if kind is type(None):
+        return value is None
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, float)
+    if origin is list:
+        # aux_layer_ids: a list, or the environment's "1,15,28" that _layer_ids parses
+        return isinstance(value, list | tuple | str) and (
+            isinstance(value, str) or all(_is_a(v, args[0]) for v in value))
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _is_a(v, args[1]) for k, v in value.items())
+    return isinstance(value, kind)
+
+
+def _type_name(kind: Any) -> str:
+    names = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+             type(None): "unset"}
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        return "a list of integers"
+    if typing.get_origin(kind) is dict:
+        return "a table" + (" of integers" if typing.get_args(kind)[1] is int else "")
+    return names.get(kind, str(kind))
 
 
 def _positive(settings: Settings, *names: str) -> None:
@@ -210,15 +277,21 @@ def load_settings(config_path: str | Path | None = None,
                   overrides: Mapping[str, Any] | None = None) -> Settings:
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # where each value came from, for the error message
     path = config_path or env.get(CONFIG_ENV)
     if path:
-        values.update(_read_toml(Path(path)))
-    values.update(_from_env(env))
+        values.update(toml := _read_toml(Path(path)))
+        origin.update(dict.fromkeys(toml, f"config file {path}"))
+    values.update(from_env := _from_env(env))
+    origin.update({k: f"environment {ENV_PREFIX}{k.upper()}" for k in from_env})
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return Settings(**values)
     except TypeError as exc:
         raise SettingsError(str(exc)) from exc
+    except SettingsError as exc:
+        source = origin.get(str(exc).split(":", 1)[0].split(".", 1)[0])
+        raise SettingsError(f"{source}: {exc}" if source else str(exc)) from exc
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -229,6 +302,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path}: {exc}") from exc
     known = {f.name for f in fields(Settings)}
+    for old, new in RENAMED.items():
+        if old in raw:
+            raise SettingsError(f"config file {path}: {old} is now {new} (one limit for the "
+                                "extraction and the trainer's max_length)")
+    for old, why in REMOVED.items():
+        if old in raw:
+            raise SettingsError(f"config file {path}: {old} was removed: {why}")
     unknown = sorted(set(raw) - known)
     if unknown:
         raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
@@ -237,27 +317,45 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in fields(Settings):
-        raw = env.get(ENV_PREFIX + f.name.upper())
+    for old, new in RENAMED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise SettingsError(f"{ENV_PREFIX}{old.upper()} is now {ENV_PREFIX}{new.upper()}")
+    for old, why in REMOVED.items():
+        if ENV_PREFIX + old.upper() in env:
+            raise SettingsError(f"{ENV_PREFIX}{old.upper()} was removed: {why}")
+    for name, kind in _field_types().items():
+        raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
-            out[f.name] = _coerce(f.name, raw, f.type)
+            out[name] = _coerce(name, raw, kind)
     return out
 
 
-def _coerce(name: str, raw: str, type_name: Any) -> Any:
-    kind = str(type_name)
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(name: str, raw: str, kind: Any) -> Any:
+    """An environment string as the field's type; the type check then refuses what is not."""
+    args = typing.get_args(kind)
+    if type(None) in args:
+        if raw == "":
+            return None
+        kind = next(arg for arg in args if arg is not type(None))
+    text = raw.strip()
     try:
-        if kind.startswith("dict"):
-            return json.loads(raw)
-        if kind.startswith("bool"):
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        if kind.startswith("int"):
-            return None if raw == "" else int(raw)
-        if kind.startswith("float"):
-            return float(raw)
+        if typing.get_origin(kind) is dict:
+            return json.loads(text)
+        if kind is bool:
+            if text.lower() not in TRUE + FALSE:
+                raise ValueError(text)
+            return text.lower() in TRUE
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
     except ValueError as exc:
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()}: {raw!r} is not a {kind}") from exc
-    return raw or None if "None" in kind else raw
+        raise SettingsError(f"environment {ENV_PREFIX}{name.upper()}: {raw!r} is not "
+                            f"{_type_name(kind)}") from exc
+    return raw
 
 
 def settings_fields() -> list[tuple[str, Any, str]]:

@@ -24,7 +24,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
     return {
         "broker_url": settings.redis_url,
         "broker_connection_retry_on_startup": True,
-        # Early ack + no prefetch: each message runs once (REFERENCE §4); work lost
+        # Early ack + no prefetch: each message runs once (DESIGN.md, facts); work lost
         # when a worker dies is found through the ledger's in-flight leases.
         "task_acks_late": False,
         "worker_prefetch_multiplier": 1,
@@ -60,7 +60,7 @@ def worker_argv(settings: Settings, queue: str, hostname: str | None = None) -> 
     """The `celery worker` command for a queue; concurrency comes from the settings only.
 
     short/long: the threads pool (I/O-bound HTTP; ~66 MB at 150 threads against ~3.9 GB
-    for prefork, REFERENCE §4). gpu: prefork with one child, one worker per GPU.
+    for prefork, DESIGN.md facts). gpu: prefork with one child, one worker per GPU.
     """
     name = hostname or f"{queue}@%h"
     base = [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-Q", queue, "-n", name,

@@ -1,4 +1,4 @@
-"""HTTP client for SGLang's native API (REFERENCE §2).
+"""HTTP client for SGLang's native API (`/generate`, `/abort_request`, `/server_info`).
 
 One ``requests.Session`` per thread (the threads pool shares the process), both
 timeouts on every call (the threads pool cannot kill a stuck task), and an

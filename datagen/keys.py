@@ -97,7 +97,7 @@ EVENTS = "events"
 
 LENGTHS_KEPT = 4096
 
-# Extraction phase (datagen/extraction_ledger.py): one prefix; nothing expires but the leases.
+# Extraction phase (datagen/extraction/ledger.py): one prefix; nothing expires but the leases.
 EXTRACT_PREFIX = PREFIX + "extract:"
 # HASH shard path (relative to output_dir) -> JSON result of its last complete run:
 #   {sha256, samples, written, skipped_done, skipped_overlong, truncated, failed, tokens,

@@ -1,8 +1,7 @@
 """A Prometheus endpoint over the ledger: per-dataset gauges and per-server request latency.
 
-The text exposition format is written here by hand (a dozen lines) so the endpoint needs no
-dependency beyond the standard library. Every scrape reads the ledger afresh; nothing is
-cached, so several metrics processes may serve the same run.
+A ``prometheus_client`` collector reads the ledger afresh on every scrape; nothing is cached,
+so several metrics processes may serve the same run.
 
 Per-server latency comes from three hashes keyed by the server's URL (password masked),
 bumped once per committed request by ``record_request``. They add up forever, like
@@ -14,11 +13,20 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable, Iterator
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import redis
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.exposition import MetricsHandler
+from prometheus_client.registry import Collector
 
 from config.settings import Settings, masked_url
 from datagen import keys
@@ -26,10 +34,7 @@ from datagen.generation.ledger import Ledger
 
 log = logging.getLogger(__name__)
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
 # HASH server -> requests committed / seconds they took end to end / completion tokens.
-# No TTL. They belong in datagen/keys.py with every other key once the writer is wired.
 SERVER_REQUESTS = keys.SERVER_REQUESTS
 SERVER_LATENCY_S = keys.SERVER_LATENCY_S
 SERVER_TOKENS = keys.SERVER_TOKENS
@@ -64,28 +69,52 @@ def record_request(client: redis.Redis, server: str, latency_s: float,
         pipe.execute()
 
 
+class LedgerCollector(Collector):
+    """Every metric family, read from the ledger at scrape time; ``datagen_ledger_up 0``
+    alone when Redis cannot be read."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("datagen_ledger_up", "1 when the ledger could be read from Redis.")
+        try:
+            names = self.ledger.datasets()
+            families = [*_dataset_metrics(self.ledger, names),
+                        *_server_metrics(self.ledger, names)]
+        except redis.exceptions.RedisError as exc:
+            log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+
+def registry_of(ledger: Ledger) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LedgerCollector(ledger))
+    return registry
+
+
 def render_metrics(ledger: Ledger) -> str:
-    """The whole exposition: ``datagen_ledger_up 0`` alone when Redis cannot be read."""
-    up_help = "1 when the ledger could be read from Redis."
-    try:
-        names = ledger.datasets()
-        body = _dataset_metrics(ledger, names) + _server_metrics(ledger, names)
-    except redis.exceptions.RedisError as exc:
-        log.warning("metrics: cannot read the ledger: %s", type(exc).__name__)
-        return "".join(_family("datagen_ledger_up", "gauge", up_help, [({}, 0)]))
-    return "".join(_family("datagen_ledger_up", "gauge", up_help, [({}, 1)]) + body)
+    """The whole exposition, in Prometheus' text format."""
+    return generate_latest(registry_of(ledger)).decode("utf-8")
 
 
-def _dataset_metrics(ledger: Ledger, names: list[str]) -> list[str]:
+def _dataset_metrics(ledger: Ledger, names: list[str]) -> list[Metric]:
     snaps = [ledger.snapshot(name) for name in names]
-    lines: list[str] = []
+    families = []
     for metric, text, value in DATASET_GAUGES:
-        lines += _family(metric, "gauge", text,
-                         [({"dataset": s["dataset"]}, value(s)) for s in snaps])
-    return lines
+        family = GaugeMetricFamily(metric, text, labels=["dataset"])
+        for snap in snaps:
+            family.add_metric([snap["dataset"]], value(snap))
+        families.append(family)
+    return families
 
 
-def _server_metrics(ledger: Ledger, names: list[str]) -> list[str]:
+def _server_metrics(ledger: Ledger, names: list[str]) -> list[Metric]:
     with ledger.r.pipeline(transaction=False) as pipe:
         pipe.hgetall(SERVER_REQUESTS)
         pipe.hgetall(SERVER_LATENCY_S)
@@ -94,18 +123,22 @@ def _server_metrics(ledger: Ledger, names: list[str]) -> list[str]:
             pipe.hvals(ledger.k(name, keys.INFLIGHT))
         counts, seconds, tokens, *in_flight = pipe.execute()
     servers = sorted(counts)
-    lines = _summary("datagen_request_latency_seconds",
-                     "End-to-end /generate latency of committed requests, per server.",
-                     [({"server": s}, float(seconds.get(s, 0)), int(counts[s]))
-                      for s in servers])
-    lines += _family("datagen_server_completion_tokens_total", "counter",
-                     "Completion tokens of committed requests, per server.",
-                     [({"server": s}, int(tokens.get(s, 0))) for s in servers])
+    latency = SummaryMetricFamily(
+        "datagen_request_latency_seconds",
+        "End-to-end /generate latency of committed requests, per server.", labels=["server"])
+    completion = CounterMetricFamily(
+        "datagen_server_completion_tokens",
+        "Completion tokens of committed requests, per server.", labels=["server"])
+    for server in servers:
+        latency.add_metric([server], int(counts[server]), float(seconds.get(server, 0)))
+        completion.add_metric([server], int(tokens.get(server, 0)))
+    running = GaugeMetricFamily(
+        "datagen_server_in_flight", "Requests in flight, per server (from the ledger's leases).",
+        labels=["server"])
     by_server = _in_flight_by_server(in_flight)
-    lines += _family("datagen_server_in_flight", "gauge",
-                     "Requests in flight, per server (from the ledger's leases).",
-                     [({"server": s}, by_server[s]) for s in sorted(by_server)])
-    return lines
+    for server in sorted(by_server):
+        running.add_metric([server], by_server[server])
+    return [latency, completion, running]
 
 
 def _in_flight_by_server(entries_per_dataset: Iterable[list[str]]) -> Counter[str]:
@@ -116,58 +149,19 @@ def _in_flight_by_server(entries_per_dataset: Iterable[list[str]]) -> Counter[st
     return by_server
 
 
-def _summary(name: str, text: str,
-             samples: Iterable[tuple[dict[str, str], float, int]]) -> list[str]:
-    """A summary without quantiles: _sum and _count per label set."""
-    lines = [f"# HELP {name} {text}\n", f"# TYPE {name} summary\n"]
-    for labels, total, count in samples:
-        lines.append(f"{name}_sum{_labels(labels)} {_number(total)}\n")
-        lines.append(f"{name}_count{_labels(labels)} {count}\n")
-    return lines
-
-
-def _family(name: str, kind: str, text: str,
-            samples: Iterable[tuple[dict[str, str], float]]) -> list[str]:
-    lines = [f"# HELP {name} {text}\n", f"# TYPE {name} {kind}\n"]
-    for labels, value in samples:
-        lines.append(f"{name}{_labels(labels)} {_number(value)}\n")
-    return lines
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-    return "{" + inner + "}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, int) or float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
-
-
-class _Handler(BaseHTTPRequestHandler):
-    ledger: Ledger  # set on the subclass make_server builds
+class _Handler(MetricsHandler):
+    """prometheus_client's handler, on /metrics only."""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path.split("?", 1)[0] != "/metrics":
-            self._send(404, "text/plain; charset=utf-8", b"try /metrics\n")
+            body = b"try /metrics\n"
+            self.send_response(404)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
-        self._send(200, CONTENT_TYPE, render_metrics(self.ledger).encode("utf-8"))
-
-    def _send(self, status: int, content_type: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        super().do_GET()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("metrics %s: " + format, self.address_string(), *args)
@@ -176,7 +170,7 @@ class _Handler(BaseHTTPRequestHandler):
 def make_server(ledger: Ledger, host: str = "127.0.0.1", port: int = 9108
                 ) -> ThreadingHTTPServer:
     """A bound server (port 0 picks a free one); call ``serve_forever`` on it."""
-    handler = type("MetricsHandler", (_Handler,), {"ledger": ledger})
+    handler = type("LedgerMetricsHandler", (_Handler,), {"registry": registry_of(ledger)})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import io
+import shutil
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 from datagen.generation.ledger import Ledger
 
-BAR_WIDTH = 20
+BAR_WIDTH = 10
+DEFAULT_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -84,30 +92,97 @@ def as_json(table: Sequence[Row]) -> list[dict[str, Any]]:
     return [asdict(r) for r in table]
 
 
-def render(table: Sequence[Row], bars: bool = False) -> str:
-    head = (f"{'dataset':<14} {'state':<17} {'tokens':>11} {'budget':>11} {'remaining':>11} "
-            f"{'%':>6} "
-            f"{'samples':>7} {'queued':>6} {'wait':>5} {'flight':>6} {'dead':>4} {'revoked':>7} "
-            f"{'tok/s':>7} {'eta':>6}")
-    lines = [head, "-" * len(head)]
-    for r in table:
-        lines.append(
-            f"{r.dataset:<14} {r.state:<17} {r.tokens:>11,} {r.budget:>11,} {r.remaining:>11,} "
-            f"{r.percent:>5.1f}% "
-            f"{r.samples:>7} {r.queued:>6} {r.waiting:>5} {r.in_flight:>6} {r.dead:>4} "
-            f"{r.revoked:>7} "
-            f"{_num(r.tokens_per_s):>7} {_eta(r.eta_s):>6}")
-        if bars:
-            lines.append(f"{'':<14} {_bar(r.percent)}")
-    lines.append("-" * len(head))
-    lines.append(
-        f"{'total':<14} {'':<17} {sum(r.tokens for r in table):>11,} "
-        f"{sum(r.budget for r in table):>11,} {sum(r.remaining for r in table):>11,} "
-        f"{'':>6} {sum(r.samples for r in table):>7} "
-        f"{sum(r.queued for r in table):>6} {sum(r.waiting for r in table):>5} "
-        f"{sum(r.in_flight for r in table):>6} "
-        f"{sum(r.dead for r in table):>4} {sum(r.revoked for r in table):>7}")
-    return "\n".join(lines)
+@dataclass(frozen=True)
+class Column:
+    head: str
+    cell: Callable[[Row], str]
+    total: Callable[[Sequence[Row]], str] | None = None
+    numeric: bool = True
+
+
+def _sum(attr: str, fmt: str = "{:,}") -> Callable[[Sequence[Row]], str]:
+    return lambda table: fmt.format(sum(getattr(r, attr) for r in table))
+
+
+COLUMNS = (
+    Column("dataset", lambda r: r.dataset, lambda t: "total", numeric=False),
+    Column("state", lambda r: r.state, numeric=False),
+    Column("tokens", lambda r: f"{r.tokens:,}", _sum("tokens")),
+    Column("budget", lambda r: f"{r.budget:,}", _sum("budget")),
+    Column("remaining", lambda r: f"{r.remaining:,}", _sum("remaining")),
+    Column("%", lambda r: f"{r.percent:.1f}%"),
+    Column("samples", lambda r: f"{r.samples:,}", _sum("samples")),
+    Column("queued", lambda r: f"{r.queued:,}", _sum("queued")),
+    Column("wait", lambda r: f"{r.waiting:,}", _sum("waiting")),
+    Column("flight", lambda r: f"{r.in_flight:,}", _sum("in_flight")),
+    Column("dead", lambda r: f"{r.dead:,}", _sum("dead")),
+    Column("revoked", lambda r: f"{r.revoked:,}", _sum("revoked")),
+    Column("tok/s", lambda r: _num(r.tokens_per_s)),
+    Column("eta", lambda r: _eta(r.eta_s)),
+)
+# Dropped first, one by one, when the table is wider than the terminal (--json keeps all).
+OPTIONAL = ("remaining", "revoked", "tok/s", "dead", "%", "wait", "eta", "queued")
+
+
+def width() -> int:
+    """The terminal's width on a terminal, else 100 columns (logs, pipes, CI)."""
+    if sys.stdout.isatty():
+        return shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
+    return DEFAULT_WIDTH
+
+
+GAP = 2  # spaces between columns
+
+
+def table_of(table: Sequence[Row], bars: bool = False, columns: int | None = None) -> Table:
+    """The status table as a rich renderable. Optional columns go, one by one, until it fits
+    in ``columns``; past that only the dataset and state columns are cut (with an ellipsis)."""
+    columns = columns or width()
+    shown = list(COLUMNS)
+    for head in OPTIONAL:
+        if _natural_width(table, shown, bars) <= columns:
+            break
+        if not (bars and head == "%"):  # the progress bars live in the % column
+            shown = [c for c in shown if c.head != head]
+    return _grid(table, shown, bars)
+
+
+def render(table: Sequence[Row], bars: bool = False, columns: int | None = None) -> str:
+    console = _console(columns or width())
+    with console.capture() as captured:
+        console.print(table_of(table, bars, console.width))
+    return "\n".join(line.rstrip() for line in captured.get().rstrip("\n").splitlines())
+
+
+def _cells(table: Sequence[Row], col: Column, bars: bool) -> list[str]:
+    cells = [col.cell(r) for r in table]
+    if bars and col.head == "%":
+        cells = [f"{_bar(r.percent)} {r.percent:5.1f}%" for r in table]
+    return [col.head, *cells, col.total(table) if col.total else ""]
+
+
+def _natural_width(table: Sequence[Row], shown: list[Column], bars: bool) -> int:
+    return (sum(max(map(len, _cells(table, c, bars))) for c in shown)
+            + GAP * (len(shown) - 1))
+
+
+def _grid(table: Sequence[Row], shown: list[Column], bars: bool) -> Table:
+    grid = Table(box=box.SIMPLE_HEAD, show_edge=False, show_footer=True, pad_edge=False,
+                 padding=(0, GAP - 1, 0, 0), collapse_padding=True, header_style="",
+                 footer_style="")
+    cells = [_cells(table, c, bars) for c in shown]
+    for col, column_cells in zip(shown, cells, strict=True):
+        fixed = max(map(len, column_cells)) if col.numeric else None
+        grid.add_column(col.head, column_cells[-1], min_width=fixed, no_wrap=True,
+                        justify="right" if col.numeric else "left", overflow="ellipsis")
+    for i in range(len(table)):
+        grid.add_row(*(column_cells[1 + i] for column_cells in cells))
+    return grid
+
+
+def _console(columns: int) -> Console:
+    return Console(width=columns, color_system=None, force_terminal=False, highlight=False,
+                   emoji=False, file=io.StringIO())
 
 
 def finished(table: Sequence[Row]) -> bool:
@@ -124,7 +199,7 @@ def stalled(table: Sequence[Row]) -> bool:
 
 def _bar(percent: float) -> str:
     filled = min(BAR_WIDTH, int(BAR_WIDTH * percent / 100))
-    return "[" + "#" * filled + "." * (BAR_WIDTH - filled) + f"] {percent:5.1f}%"
+    return "#" * filled + "." * (BAR_WIDTH - filled)
 
 
 def _num(value: float | None) -> str:

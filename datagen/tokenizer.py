@@ -190,24 +190,89 @@ class ChatTemplateError(ValueError):
         self.index = index
 
 
+# Stands for a generated assistant turn while the template renders what follows it.
+TURN_SENTINEL = "<<datagen:generated-turn>>"
+
+
+class TokenizerError(ValueError):
+    """The tokenizer at ``tokenizer_path`` cannot be loaded; one line naming the setting."""
+
+
+# What makes a folder a tokenizer: its config plus one of the vocabulary files that
+# transformers reads (fast JSON, sentencepiece, tiktoken ranks as Kimi ships them).
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
+def load_tokenizer(tokenizer_path: str | Path, trust_remote_code: bool = False) -> Any:
+    """``AutoTokenizer`` from a local folder, or a one-line TokenizerError naming the setting.
+
+    A tokenizer that is the checkpoint's own code (``auto_map`` in tokenizer_config.json, as
+    Kimi-K2.x ships it) loads only with ``trust_remote_code``; nothing is downloaded.
+    """
+    path = _checked_folder(tokenizer_path)
+    code = _custom_code(path)
+    if code and not trust_remote_code:
+        raise TokenizerError(
+            f"tokenizer_path {path}: the tokenizer is the checkpoint's own code ({code} in "
+            "tokenizer_config.json's auto_map); set trust_remote_code = true to run it")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises anything from OSError to KeyError here
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise TokenizerError(f"tokenizer_path {path}: cannot load the tokenizer: {first}"
+                             ) from exc
+
+
+def _checked_folder(tokenizer_path: str | Path) -> Path:
+    if not str(tokenizer_path).strip():
+        raise TokenizerError("tokenizer_path is not set: point it at the target model's "
+                             "tokenizer folder (DATAGEN_TOKENIZER_PATH or --tokenizer)")
+    path = Path(tokenizer_path).expanduser()
+    if not path.is_dir():
+        what = "not a folder" if path.exists() else "no such folder"
+        raise TokenizerError(f"tokenizer_path {path}: {what}")
+    if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
+        raise TokenizerError(
+            f"tokenizer_path {path}: no tokenizer files in this folder (expected "
+            f"tokenizer_config.json with one of {', '.join(VOCAB_FILES)})")
+    return path
+
+
+def _custom_code(path: Path) -> str:
+    """The class tokenizer_config.json's auto_map names for AutoTokenizer, or ""."""
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    entry = config.get("auto_map", {}).get("AutoTokenizer") if isinstance(config, dict) else None
+    if isinstance(entry, list):
+        entry = next((e for e in entry if e), None)
+    return entry if isinstance(entry, str) else ""
+
+
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template and returns prompt token ids.
 
-    template_kwargs go to the template on every call (e.g. `{"enable_thinking": False}`).
-    Template failures (unknown role, missing content) raise ChatTemplateError, a ValueError whose
-    `.index` names the failing conversation of a batch so the caller can drop it and retry.
+    template_kwargs go to the template on every call (e.g. `{"enable_thinking": False}`, or
+    Kimi's `{"thinking": False}`). Template failures (unknown role, missing content) raise
+    ChatTemplateError, a ValueError whose `.index` names the failing conversation of a batch
+    so the caller can drop it and retry.
     """
 
     def __init__(
-        self, tokenizer_path: str | Path, template_kwargs: Mapping[str, Any] | None = None
+        self, tokenizer_path: str | Path, template_kwargs: Mapping[str, Any] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
-        from transformers import AutoTokenizer
-
-        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+        self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
         if not getattr(self._tokenizer, "chat_template", None):
-            raise ValueError(f"tokenizer at {tokenizer_path} has no chat template")
+            raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
+                                 "chat template")
         if self._tokenizer.eos_token_id is None:
-            raise ValueError(f"tokenizer at {tokenizer_path} has no eos token")
+            raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
+                                 "eos token")
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         self.eos_token_id: int = int(self._tokenizer.eos_token_id)
         # len() counts added tokens too, which is what an embedding table must cover.
@@ -226,6 +291,31 @@ class ChatEncoder:
         except Exception as exc:  # jinja2 errors have no common base worth naming here
             raise _template_error(exc) from exc
         return list(ids)
+
+    def encode_turns(self, messages: Sequence[Mapping[str, str]]
+                     ) -> tuple[list[int], list[list[int]]]:
+        """Ids for generating every assistant turn of a conversation, in order.
+
+        Returns the first turn's prompt (the messages before the first assistant turn, with
+        the generation prompt) and, for each later turn, the ids the template writes between
+        the turn before it and its generation: that turn's close, the messages up to the next
+        assistant turn, the generation prompt. The assistant contents themselves are left
+        out (they are generated), so a worker builds each turn's prompt as the previous
+        prompt + its exact output ids + these ids. Without assistant turns: (encode, []).
+        """
+        chat = [dict(m) for m in messages]
+        if any(TURN_SENTINEL in m.get("content", "") for m in chat):
+            raise ChatTemplateError(f"a message holds the marker {TURN_SENTINEL!r}")
+        cuts = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        first = self.encode(chat[:cuts[0]] if cuts else chat)
+        between = []
+        for n in range(len(cuts)):
+            end = cuts[n + 1] if n + 1 < len(cuts) else len(chat)
+            text = self.render([{**m, "content": TURN_SENTINEL} if m["role"] == "assistant"
+                                else m for m in chat[:end]])
+            after = text[text.rindex(TURN_SENTINEL) + len(TURN_SENTINEL):]
+            between.append(list(self._tokenizer(after, add_special_tokens=False)["input_ids"]))
+        return first, between
 
     def render(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt text the template produces for one conversation."""

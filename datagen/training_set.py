@@ -3,6 +3,7 @@
 ``datagen prepare`` merges each dataset (``merge.merge_dataset``), then writes::
 
     <output_dir>/training/shards/shard_00000.jsonl  {"idx","id","dataset","prompt_ids","output_ids"}
+    <output_dir>/training/specforge_prompts.jsonl   {"id","dataset","input_ids","loss_mask"} (exact)
     <output_dir>/training/conversations.jsonl       {"id","conversations":[{"role","content"}]}
     <output_dir>/training/manifest.json             counts, tokens, seed, shards with sha256
 
@@ -30,9 +31,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from config.settings import Settings
+from datagen import handoff
 from datagen.errors import PermanentError
 from datagen.generation.merge import datasets_on_disk, merge_dataset
-from datagen.generation.records import is_current, merged_path, write_atomic
+from datagen.generation.records import is_current, loss_spans, merged_path, write_atomic
 from datagen.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ class TrainingSet:
     shards: list[dict[str, Any]] = field(default_factory=list)
     fingerprint: str = ""
     conversations: str | None = None
+    online_rows: str | None = None
+    lengths: dict[str, handoff.LengthCount] = field(default_factory=dict)
     directory: str = ""
 
     @property
@@ -124,8 +128,15 @@ def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None
     folder = training_dir(out)
     _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
     tset.directory = str(folder)
+    tset.lengths = handoff.length_counts(
+        ((e.dataset, e.prompt_tokens, e.prompt_tokens + e.output_tokens) for e in order),
+        settings.train_max_length, settings.extract_overlong)
     with _Reader(out) as reader:
         tset.shards = _write_shards(out, order, settings.shard_samples, reader)
+        rows = folder / handoff.ONLINE_ROWS_NAME
+        write_atomic(rows, (line for e in order if (line := _online_row(reader.read(e),
+                                                                          settings))))
+        tset.online_rows = str(rows)
         if decode is not None:
             path = folder / CONVERSATIONS_NAME
             write_atomic(path, (_conversation_line(reader.read(e), decode) for e in order))
@@ -169,6 +180,12 @@ def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
             if raw.strip():
                 yield offset, (json.loads(raw), hashlib.sha256(raw).hexdigest())
             offset += len(raw)
+
+
+def _online_row(record: dict[str, Any], settings: Settings) -> str | None:
+    spans = tuple(tuple(span) for span in loss_spans(record) or ())
+    return handoff.online_row(record, settings.train_max_length, settings.extract_overlong,
+                              spans)
 
 
 def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
@@ -262,16 +279,24 @@ def _write_shards(out: Path, order: list[Entry], per_shard: int,
 
 
 def _shard_line(idx: int, record: dict[str, Any], digest: Any) -> str:
-    line = json.dumps({"idx": idx, "id": str(record["id"]), "dataset": record["dataset"],
-                       "prompt_ids": record["prompt_ids"], "output_ids": record["output_ids"]},
-                      separators=(",", ":"), ensure_ascii=False) + "\n"
+    row = {"idx": idx, "id": str(record["id"]), "dataset": record["dataset"],
+           "prompt_ids": record["prompt_ids"], "output_ids": record["output_ids"]}
+    spans = loss_spans(record)
+    if spans is not None:  # several generated turns: the loss covers each of them
+        row["loss_spans"] = spans
+    line = json.dumps(row, separators=(",", ":"), ensure_ascii=False) + "\n"
     digest.update(line.encode("utf-8"))
     return line
 
 
 def _conversation_line(record: dict[str, Any], decode: Decode) -> str:
-    turns = [{"role": m["role"], "content": m["content"]} for m in record.get("messages", [])]
-    turns.append({"role": "assistant", "content": decode(record["output_ids"])})
+    ids = record["prompt_ids"] + record["output_ids"]
+    spans = loss_spans(record) or [[len(record["prompt_ids"]), len(ids)]]
+    # regenerate = "all": the earlier assistant turns are the generated ones, not the input's.
+    generated = iter(decode(ids[a:b]) for a, b in spans[:-1])
+    turns = [{"role": m["role"], "content": next(generated, m["content"])
+              if m["role"] == "assistant" else m["content"]} for m in record.get("messages", [])]
+    turns.append({"role": "assistant", "content": decode(ids[slice(*spans[-1])])})
     return json.dumps({"id": str(record["id"]), "conversations": turns},
                       ensure_ascii=False) + "\n"
 
@@ -288,6 +313,10 @@ def _write_manifest(folder: Path, tset: TrainingSet, settings: Settings) -> None
         "datasets": {d.dataset: {**asdict(d), "tokens": d.tokens} for d in tset.datasets},
         "collisions": [{"id": i, "kept": a, "dropped": b} for i, a, b in tset.collisions],
         "conversations": CONVERSATIONS_NAME if tset.conversations else None,
+        "online_rows": handoff.ONLINE_ROWS_NAME,
+        "length_rule": {"train_max_length": settings.train_max_length,
+                        "overlong": settings.extract_overlong,
+                        "datasets": {ds: asdict(c) for ds, c in tset.lengths.items()}},
         "shards": tset.shards,
     }
     write_atomic(folder / MANIFEST_NAME, iter([json.dumps(manifest, indent=2) + "\n"]))
@@ -330,8 +359,22 @@ def render(tset: TrainingSet) -> str:
         lines.append(f"  {uncommitted} records never committed by the ledger left out")
     lines.append(f"{len(tset.shards)} shards of up to {_per(tset)} samples in "
                  f"{tset.directory}/{SHARDS_DIR}; manifest {MANIFEST_NAME}")
-    lines.append(f"conversations: {tset.conversations or 'not written (no tokenizer)'}")
+    lines += _length_lines(tset)
+    lines.append(f"pre-tokenized rows (exact, for online training): {tset.online_rows}")
+    lines.append(f"conversations (text, re-tokenized by the trainer: lossy): "
+                 f"{tset.conversations or 'not written (no tokenizer)'}")
     return "\n".join(lines)
+
+
+def _length_lines(tset: TrainingSet) -> list[str]:
+    """What the train_max_length rule drops and cuts, per dataset that it touches."""
+    lines = []
+    for ds, c in sorted(tset.lengths.items()):
+        if c.dropped or c.cut:
+            lines.append(f"  {ds}: train_max_length drops {c.dropped:,} samples "
+                         f"({c.dropped_tokens:,} tokens) and cuts {c.cut:,} "
+                         f"({c.cut_tokens:,} tokens)")
+    return lines
 
 
 def _per(tset: TrainingSet) -> int:

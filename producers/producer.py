@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 BATCH = 256
 REBUILD_LOCK_S = 600
 REPORTS_DIR = "reports"
+# A prompt's first prompt ids, and the template's ids before each later assistant turn.
+Encoded = tuple[list[int], list[list[int]]]
 
 
 @dataclass
@@ -105,7 +107,8 @@ class Producer:
         self.settings = settings
         self.app = app
         self.ledger = ledger
-        self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs)
+        self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs,
+                                   settings.trust_remote_code)
         self.context_length = context_length(settings)
 
     def run(self) -> list[DatasetReport]:
@@ -213,11 +216,11 @@ class Producer:
 
     def _tokenized(self, batches: Iterator[list[Prompt | BadRecord]], report: DatasetReport,
                    done: set[str], queued: set[str]
-                   ) -> Iterator[tuple[list[Prompt], list[list[int] | None], int]]:
+                   ) -> Iterator[tuple[list[Prompt], list[Encoded | None], int]]:
         """Fresh prompts, their ids and the lines read, per batch, tokenized one batch ahead
         in a thread: the Rust tokenizer releases the GIL, so it overlaps with publishing."""
         with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
-            ahead: tuple[list[Prompt], Future[list[list[int] | None]], int] | None = None
+            ahead: tuple[list[Prompt], Future[list[Encoded | None]], int] | None = None
             for batch in batches:
                 fresh = self._filter(batch, report, done, queued)
                 future = pool.submit(self._encode, fresh, report)
@@ -227,16 +230,17 @@ class Producer:
             if ahead is not None:
                 yield ahead[0], ahead[1].result(), ahead[2]
 
-    def _prepare(self, prompts: list[Prompt], ids_list: list[list[int] | None],
+    def _prepare(self, prompts: list[Prompt], ids_list: list[Encoded | None],
                  report: DatasetReport, store: PromptStore, epoch: int, cap: int | None
                  ) -> list[Job]:
         if cap is not None:
             report.over_cap += max(0, len(prompts) - cap)
             prompts, ids_list = prompts[:cap], ids_list[:cap]
         jobs = []
-        for prompt, ids in zip(prompts, ids_list, strict=True):
-            if ids is None:
+        for prompt, encoded in zip(prompts, ids_list, strict=True):
+            if encoded is None:
                 continue
+            ids, turn_ids = encoded
             plan = classify(self.settings, len(ids), self.context_length)
             if isinstance(plan, str):
                 report.bad.append(f"{prompt.source}: {plan}")
@@ -244,25 +248,42 @@ class Producer:
             if plan.max_new_tokens < self.settings.queue_limits(plan.queue)[1]:
                 report.clamped += 1
             setattr(report, plan.queue, getattr(report, plan.queue) + 1)
-            offset = store.add(prompt.sample_id, prompt.dataset, list(prompt.messages), ids)
+            offset = store.add(prompt.sample_id, prompt.dataset, list(prompt.messages), ids,
+                               turn_ids)
             jobs.append(Job(prompt.dataset, prompt.sample_id, plan.queue, store.relative,
-                            offset, len(ids), plan.max_new_tokens, epoch))
+                            offset, len(ids), plan.max_new_tokens, epoch,
+                            turns=1 + len(turn_ids), context_length=self.context_length))
         return jobs
 
-    def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[list[int] | None]:
+    def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[Encoded | None]:
+        """Per prompt its first prompt ids and, with regenerate = "all", the template's ids
+        before each later assistant turn (``ChatEncoder.encode_turns``); None: refused."""
+        if self.settings.regenerate == "all":
+            multi = [any(m["role"] == "assistant" for m in p.messages) for p in prompts]
+            plain = [p for p, m in zip(prompts, multi, strict=True) if not m]
+            single = iter(self._encode_batch(plain, report))
+            return [self._encode_one(p, report, self.encoder.encode_turns) if m
+                    else next(single) for p, m in zip(prompts, multi, strict=True)]
+        return self._encode_batch(prompts, report)
+
+    def _encode_batch(self, prompts: list[Prompt], report: DatasetReport
+                      ) -> list[Encoded | None]:
         if not prompts:
             return []
         try:
-            return list(self.encoder.encode_batch([p.messages for p in prompts]))
-        except ValueError:
-            out: list[list[int] | None] = []
-            for p in prompts:  # find the one the template refuses
-                try:
-                    out.append(self.encoder.encode(p.messages))
-                except ValueError as exc:
-                    report.bad.append(f"{p.source}: chat template failed: {exc}")
-                    out.append(None)
-            return out
+            return [(ids, []) for ids in self.encoder.encode_batch([p.messages for p in prompts])]
+        except ValueError:  # find the one the template refuses
+            return [self._encode_one(p, report, lambda m: (self.encoder.encode(m), []))
+                    for p in prompts]
+
+    @staticmethod
+    def _encode_one(prompt: Prompt, report: DatasetReport,
+                    encode: Callable[[tuple[dict[str, str], ...]], Encoded]) -> Encoded | None:
+        try:
+            return encode(prompt.messages)
+        except ValueError as exc:
+            report.bad.append(f"{prompt.source}: chat template failed: {exc}")
+            return None
 
     def _send(self, dataset: str, jobs: list[Job], producer: object) -> None:
         # Pending first: a crash between the two leaves a pending entry that the

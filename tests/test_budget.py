@@ -160,7 +160,7 @@ def test_a_small_budget_runs_many_requests_at_once_before_16_responses(
 def test_a_worker_that_joins_after_the_close_sends_nothing_for_that_dataset(
         stack: Stack) -> None:
     # Given: two datasets queued while no worker runs, and B1 closed by an operator then
-    # (its revoke broadcast reaches nobody: REFERENCE §4, revokes are not persisted)
+    # (its revoke broadcast reaches nobody: revokes are not persisted, DESIGN.md facts)
     stack.start_simulator("--mean-output-tokens", "200", "--decode-step-s", "0.002")
     settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 30, "B2": 10})),
                                short_concurrency=4, short_max_tokens=600, token_budget=10**9)

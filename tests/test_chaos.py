@@ -219,7 +219,7 @@ def test_a_torn_record_file_is_ended_before_the_next_record(tmp_path: Path) -> N
 
 
 def test_short_visibility_timeout_does_not_run_any_sample_twice(stack: Stack) -> None:
-    # Given: a visibility timeout far shorter than each request (REFERENCE §4)
+    # Given: a visibility timeout far shorter than each request (DESIGN.md, facts)
     stack.start_simulator("--lengths", "fixed:120", "--decode-step-s", "0.03")
     settings = stack.configure(data_dir=str(partition(stack.tmp, 12)), short_concurrency=3,
                                visibility_timeout_s=1, short_max_tokens=200)

@@ -266,7 +266,7 @@ def test_gpu_worker_reserves_one_gpu(base: dict[str, Any]) -> None:
     [device] = gpu_devices(worker)
     assert [interpolate(d, {}) for d in device["device_ids"]] == ["0"]
     assert environment(worker)["CUDA_VISIBLE_DEVICES"] == "0"
-    assert worker["build"]["args"]["EXTRAS"] == "gpu"
+    assert worker["build"]["args"]["EXTRAS"] == "extract"
 
 
 def test_producer_is_a_one_shot_tool(base: dict[str, Any]) -> None:

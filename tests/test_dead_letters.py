@@ -117,7 +117,7 @@ def test_a_dead_letter_clears_when_its_sample_later_succeeds(stack: Stack) -> No
     ledger = stack.ledger()
     died = ledger.dead("B1")
     assert len(died) == 2 and all("HTTP 500" in reason for reason in died.values())
-    assert 'datagen_dead_letters{dataset="B1"} 2' in render_metrics(ledger)
+    assert 'datagen_dead_letters{dataset="B1"} 2.0' in render_metrics(ledger)
 
     # When: the producer runs again (the server is fine now) and the two samples succeed
     assert run_producer(stack) == 2
@@ -128,4 +128,4 @@ def test_a_dead_letter_clears_when_its_sample_later_succeeds(stack: Stack) -> No
     assert ledger.dead("B1") == {}
     assert ledger.snapshot("B1")["dead"] == 0
     assert dead.summary(dead.read(ledger)) == ""
-    assert 'datagen_dead_letters{dataset="B1"} 0' in render_metrics(ledger)
+    assert 'datagen_dead_letters{dataset="B1"} 0.0' in render_metrics(ledger)

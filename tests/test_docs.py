@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import requests
+from conftest import wait_until
 
-from cli.main import _parser
+from cli.main import _parser, settings_from
 from cli.stack import REPO
 from config.settings import ENV_PREFIX, Settings
+from datagen.redis_server import free_port
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -63,6 +70,42 @@ def test_every_cli_command_answers_help(command: str) -> None:
     assert result.returncode == 0 and "usage" in result.stdout, result.stderr
 
 
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in _parser()._actions if a.dest == "command").choices
+
+
+def test_every_option_of_every_command_has_one_line_of_help() -> None:
+    for name, parser in _subparsers().items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            label = "/".join(action.option_strings) or action.dest
+            assert action.help and action.help.strip(), f"datagen {name} {label}: no help"
+            assert "\n" not in action.help, f"datagen {name} {label}: more than one line"
+
+
+def test_each_command_lists_only_the_settings_flags_it_reads(monkeypatch) -> None:
+    def flags(name: str) -> set[str]:
+        return {o for a in _subparsers()[name]._actions for o in a.option_strings}
+
+    generation = {"--short-concurrency", "--long-max-tokens", "--partition", "--tokenizer"}
+    for name in ("status", "dead", "budget", "flower", "metrics", "extract", "calibrate"):
+        if name == "budget":  # reopening a dataset enqueues: it produces
+            assert generation <= flags(name)
+            continue
+        assert not generation & flags(name), f"datagen {name} lists generation flags"
+    assert {"--config", "--redis-url"} <= flags("status")
+    assert generation <= flags("produce") and generation <= flags("worker")
+    # The flags the README documents keep their names.
+    assert {"--partition", "--data-dir", "--output-dir", "--server-url", "--redis-url",
+            "--tokenizer", "--token-budget"} <= flags("run")
+    # A settings flag still lands in the settings (and in the environment for child
+    # processes: monkeypatch puts the variable back afterwards).
+    monkeypatch.setenv("DATAGEN_REDIS_URL", "redis://unused:1/0")
+    args = _parser().parse_args(["status", "--redis-url", "redis://h:1/0"])
+    assert settings_from(args).redis_url == "redis://h:1/0"
+
+
 def test_the_configuration_reference_lists_every_setting_and_is_current() -> None:
     from config.reference import render
 
@@ -71,6 +114,26 @@ def test_the_configuration_reference_lists_every_setting_and_is_current() -> Non
     for field in dataclasses.fields(Settings):
         assert f"`{field.name}`" in text, field.name
         assert ENV_PREFIX + field.name.upper() in text, field.name
+
+
+def test_default_toml_lists_every_setting_with_its_default_and_is_current() -> None:
+    from config.reference import render_toml
+    from config.settings import load_settings
+
+    path = REPO / "config" / "default.toml"
+    text = path.read_text()
+    assert text == render_toml(), "regenerate: python -m config.reference --toml > " \
+        "config/default.toml"
+    for field in dataclasses.fields(Settings):
+        assert re.search(rf"^(# )?{field.name} =|^\[{field.name}\]", text, re.M), field.name
+    # Loaded as it is, it gives exactly the defaults (nothing from this process's environment).
+    assert load_settings(path, env={}) == Settings()
+
+
+def test_the_docs_stand_on_their_own() -> None:
+    for path in [*DOCS, *REPO.glob("*/*.py"), *REPO.glob("*/*/*.py")]:
+        if ".venv" not in path.parts and path != Path(__file__):
+            assert "REFERENCE" not in path.read_text(), f"{path} cites a file outside the repo"
 
 
 def test_readme_first_screen_has_the_two_commands() -> None:
@@ -87,3 +150,73 @@ def test_every_relative_link_in_the_docs_points_to_a_file() -> None:
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.name}: {target}")
     assert not broken, broken
+
+
+def local_trial_block() -> str:
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    block = text.split("<!-- local-trial:start -->", 1)[1].split("<!-- local-trial:end -->")[0]
+    return block.strip().removeprefix("```bash").removesuffix("```")
+
+
+@pytest.mark.slow
+def test_the_local_trial_runs_as_written(tmp_path: Path) -> None:
+    # Given: DEPLOY.md's local trial, with its ports and folder set to free ones
+    ports = {name: str(free_port()) for name in ("REDIS_PORT", "SIM_PORT", "FLOWER_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    env.update(ports, WORK=str(tmp_path / "trial"))
+    log = tmp_path / "trial.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", local_trial_block()],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        # When: it runs to its last line
+        assert proc.wait(timeout=540) == 0, log.read_text()[-3000:]
+        text = log.read_text()
+        # Then: the run finished with every dataset done or closed, the table was printed,
+        # and Flower answers with its login only
+        assert "total" in text and "closed at budget" in text, text[-3000:]
+        records = list((tmp_path / "trial" / "out").rglob("raw_responses.jsonl"))
+        assert records and any(p.stat().st_size for p in records)
+        assert list((tmp_path / "trial" / "out" / "training" / "shards").glob("*.jsonl"))
+        flower = f"http://127.0.0.1:{ports['FLOWER_PORT']}"
+        wait_until(lambda: _status(f"{flower}/healthcheck") == 200, 120, what="Flower")
+        assert _status(f"{flower}/api/workers") == 401
+        assert _status(f"{flower}/api/workers", ("trial", "change-me")) == 200
+    finally:
+        _kill_group(proc)
+
+
+def _status(url: str, auth: tuple[str, str] | None = None) -> int | None:
+    try:
+        return requests.get(url, auth=auth, timeout=10).status_code
+    except requests.RequestException:
+        return None
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Everything the block left running shares its process group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2 if sig == signal.SIGTERM else 0)
+
+
+@pytest.mark.slow
+def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
+    # The README's first command, as written (its folder moved to a temporary one)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    work = tmp_path / "demo"
+    result = subprocess.run(["make", "demo", f"ARGS=--workdir {work}"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "demo finished" in result.stdout and "specforge train" in result.stdout
+    extracted = list((work / "output" / "training" / "hidden_states").rglob("data_*.ckpt"))
+    assert extracted, result.stdout[-2000:]
+    assert (work / "output" / "training" / "hidden_states" / "vocab_mapping.pt").is_file()

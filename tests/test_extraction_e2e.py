@@ -18,8 +18,8 @@ from test_pipeline import make_partition, run_to_end
 
 from cli.main import main
 from cli.stack import REPO, child_env
-from datagen import extraction_ledger as xlm
 from datagen.celery_app import EXTRACT_TASK
+from datagen.extraction import ledger as xlm
 from datagen.generation.ledger import connect
 from datagen.generation.records import merged_path
 from datagen.tiny_model import build_tiny_llama
@@ -79,7 +79,8 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     settings = stack.configure(
         data_dir=str(make_partition(stack.tmp)[0]), long_threshold_tokens=4000,
         short_max_tokens=64, model_path=str(model_dir), extract_dtype="float32",
-        extract_batch_tokens=1024, shard_samples=8, extract_retry_countdown_s=0.1)
+        extract_batch_tokens=1024, shard_samples=8, extract_retry_countdown_s=0.1,
+        train_max_length=16384)  # every sample fits: each record has its file
     short = stack.worker("short")
     stack.worker("gpu")
     stack.wait_workers(2)
@@ -109,8 +110,14 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     conversations = (training_dir(out) / "conversations.jsonl").read_text().splitlines()
     assert len(conversations) == 30
 
+    # And: it ends with the handoff SpecForge trains on and the command line; so does status
+    run_config = (folder / "specforge_train.json").resolve()
+    assert f"train: specforge train --config {run_config}" in capsys.readouterr().out
+    assert (folder / "vocab_mapping.pt").is_file() and (folder / "draft_config.json").is_file()
+    assert datagen(monkeypatch, stack, "status") == 0
+    assert f"specforge train --config {run_config}" in capsys.readouterr().out
+
     # And: a second extract finds every shard done and enqueues nothing
-    capsys.readouterr()
     assert datagen(monkeypatch, stack, "extract") == 0
     assert "nothing to enqueue" in capsys.readouterr().out
     r = connect(stack.redis_url)
@@ -199,7 +206,7 @@ def test_extract_refuses_without_disk_room_and_never_enqueues_a_queued_shard_twi
     synthetic_records(Path(settings.output_dir), encoder.vocab_size, 6)
     assert datagen(monkeypatch, stack, "prepare") == 0
     free = SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000)
-    monkeypatch.setattr("datagen.estimate.shutil.disk_usage", lambda _path: free)
+    monkeypatch.setattr("datagen.extraction.estimate.shutil.disk_usage", lambda _path: free)
     r = connect(stack.redis_url)
 
     # When/Then: extract refuses with the numbers and the override

@@ -65,8 +65,16 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
 
     # Flower sees the queue while it is long, and refuses requests without credentials
     lengths = requests.get(f"{url}/api/queues/length", auth=auth, timeout=10).json()
-    assert {q["name"] for q in lengths["active_queues"]} >= {"short"}
+    # every queue of the run, not only those of the workers Flower inspected (one short one)
+    assert {q["name"] for q in lengths["active_queues"]} == {"short", "long", "gpu"}
+    broker = requests.get(f"{url}/broker", auth=auth, timeout=10)
+    assert broker.status_code == 200
+    assert all(f">{name}<" in broker.text.replace(" ", "") for name in ("short", "long", "gpu"))
     assert requests.get(f"{url}/api/workers", timeout=10).status_code == 401
+    # Flower's /metrics is closed like every page; /healthcheck says only "OK"
+    assert requests.get(f"{url}/metrics", timeout=10).status_code == 401
+    assert requests.get(f"{url}/metrics", auth=auth, timeout=10).status_code == 200
+    assert requests.get(f"{url}/healthcheck", timeout=10).text == "OK"
     assert requests.get(f"{url}/api/tasks", auth=("ops", "wrong"), timeout=10).status_code == 401
 
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
@@ -82,6 +90,10 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
                              timeout=20).json()
         return len(tasks)
     wait_until(lambda: revoked() > 0, 30, what="revoked tasks in Flower")
+    # every row tells its dataset and sample apart
+    listed = requests.get(f"{url}/api/tasks", auth=auth, timeout=20).json().values()
+    assert {t["kwargs"].split("/")[0] for t in listed} == {"B1", "B2"}
+    assert all(t["kwargs"].count("/") == 1 for t in listed)
     assert ledger.snapshot("B1")["stats"]["revoked"] > 0
 
     # ... and tasks refused admission (parked until a commit woke them) show as waiting:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from rich.live import Live
 
 from datagen import status as status_mod
 from datagen.errors import LedgerUnavailable
@@ -33,13 +34,19 @@ class Follower:
         self.interval = interval
         self.app = app
         self.on_lost = on_lost
-        self.live = sys.stdout.isatty()
-        self._drawn = 0  # lines of the table drawn last time, redrawn in place
+        # On a terminal the table is redrawn in place; elsewhere a line now and then.
+        self.live = Live(auto_refresh=False) if sys.stdout.isatty() else None
         self._last_line = 0.0
         self._stalled_since: float | None = None
 
     def run(self, until_finished: bool = True, timeout_s: float | None = None
             ) -> list[status_mod.Row]:
+        if self.live is None:
+            return self._run(until_finished, timeout_s)
+        with self.live:
+            return self._run(until_finished, timeout_s)
+
+    def _run(self, until_finished: bool, timeout_s: float | None) -> list[status_mod.Row]:
         started = time.monotonic()
         while True:
             if timeout_s is not None and time.monotonic() - started > timeout_s:
@@ -71,11 +78,8 @@ class Follower:
         return table
 
     def _draw(self, table: list[status_mod.Row]) -> None:
-        if self.live:
-            text = status_mod.render(table, bars=True)
-            up = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
-            print(up + text, flush=True)
-            self._drawn = text.count("\n") + 1
+        if self.live is not None:
+            self.live.update(status_mod.table_of(table, bars=True), refresh=True)
         elif time.monotonic() - self._last_line >= max(self.interval, 10.0):
             self._last_line = time.monotonic()
             print(progress_line(table), flush=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,17 @@ class Job:
     prompt_tokens: int
     max_new_tokens: int
     epoch: int = 0  # bumped when a closed dataset is reopened (stamped revokes are per epoch)
+    # regenerate = "all": the assistant turns generated in order (max_new_tokens each), each
+    # clamped by the worker to what context_length leaves after the turns before it.
+    turns: int = 1
+    context_length: int = 0
 
     def payload(self) -> dict[str, Any]:
         # Spelled out: dataclasses.asdict deep-copies and costs ~10x more per message.
         return {"dataset": self.dataset, "sample": self.sample, "queue": self.queue,
                 "prompt_file": self.prompt_file, "offset": self.offset,
                 "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                "epoch": self.epoch}
+                "epoch": self.epoch, "turns": self.turns, "context_length": self.context_length}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> Job:
@@ -46,6 +50,11 @@ class Job:
     def stamp(self) -> str:
         return f"{self.dataset}#{self.epoch}"
 
+    @property
+    def sample_cap(self) -> int:
+        """The most tokens the whole sample may generate: what admission reserves."""
+        return self.max_new_tokens * self.turns
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -53,6 +62,9 @@ class Prompt:
     dataset: str
     messages: list[dict[str, str]]
     prompt_ids: list[int]
+    # regenerate = "all": per later turn, the template's ids between the turn before it and
+    # its generation (the earlier turn's close, the next user turn, the generation prompt).
+    turn_ids: list[list[int]] = field(default_factory=list)
 
 
 class PromptStore:
@@ -67,12 +79,14 @@ class PromptStore:
         self._fh = open(self.path, "ab")  # noqa: SIM115 (closed in close())
 
     def add(self, sample: str, dataset: str, messages: list[dict[str, str]],
-            prompt_ids: list[int]) -> int:
+            prompt_ids: list[int], turn_ids: list[list[int]] | None = None) -> int:
         """Append one prompt; returns its byte offset."""
         offset = self._fh.tell()
-        line = json.dumps({"id": sample, "dataset": dataset, "messages": messages,
-                           "prompt_ids": prompt_ids}, separators=(",", ":"),
-                          ensure_ascii=False)
+        entry: dict[str, Any] = {"id": sample, "dataset": dataset, "messages": messages,
+                                 "prompt_ids": prompt_ids}
+        if turn_ids:
+            entry["turn_ids"] = turn_ids
+        line = json.dumps(entry, separators=(",", ":"), ensure_ascii=False)
         self._fh.write(line.encode("utf-8") + b"\n")
         return offset
 
@@ -97,4 +111,8 @@ def read_prompt(output_dir: str | Path, job: Job) -> Prompt:
     if data.get("id") != job.sample:
         raise BadInput(f"prompt store {path} at offset {job.offset} holds {data.get('id')!r}, "
                        f"not {job.sample!r}")
-    return Prompt(job.sample, job.dataset, data["messages"], data["prompt_ids"])
+    turn_ids = data.get("turn_ids") or []
+    if len(turn_ids) != job.turns - 1:
+        raise BadInput(f"prompt {job.sample!r} at {path}:{job.offset} has {len(turn_ids) + 1} "
+                       f"turns, the task {job.turns}")
+    return Prompt(job.sample, job.dataset, data["messages"], data["prompt_ids"], turn_ids)

@@ -178,6 +178,20 @@ class Ledger:
         released, *woken = self._run("release", ks, args + self._wake_args())
         return list(woken) if released else []
 
+    def may_continue(self, dataset: str, sample: str, rid: str) -> str:
+        """Whether an admitted multi-turn sample may start its next turn: "ok", "closed"
+        (its dataset closed since) or "lost" (its entry is not this rid's any more: reaped,
+        or the ledger lost its state)."""
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.exists(self.k(dataset, keys.CLOSED))
+            pipe.hget(self.k(dataset, keys.INFLIGHT), sample)
+            closed, held = self._call(pipe.execute)
+        if closed:
+            return "closed"
+        if not held or json.loads(held).get("rid") != rid:
+            return "lost"
+        return "ok"
+
     def _wake_args(self) -> list[Any]:
         return [PRIOR_TOKENS_PER_S, PRIOR_MEAN_TOKENS, self.settings.budget_counts,
                 self.settings.admission_margin_sd, int(self.settings.precise_admission)]

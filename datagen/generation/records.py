@@ -168,6 +168,16 @@ def is_current(record: Mapping[str, Any]) -> bool:
         record.get("prompt_ids"), list)
 
 
+def loss_spans(record: Mapping[str, Any]) -> list[list[int]] | None:
+    """Where the generated ids lie in ``prompt_ids + output_ids``, as [start, end) pairs,
+    for a record of several generated turns (``regenerate = "all"``); None for a record of
+    one turn, whose generated ids are exactly ``output_ids``."""
+    turns = record.get("turns")
+    if not isinstance(turns, list) or not turns:
+        return None
+    return [list(t["span"]) for t in turns]
+
+
 # What the choice between two copies of a sample looks at: (sample id, rid, time).
 Rank = tuple[str, Any, Any]
 T = TypeVar("T")

@@ -28,6 +28,7 @@ from datagen.generation.job import Job, Prompt, read_prompt
 from datagen.generation.lease import Lease, LeaseBook
 from datagen.generation.ledger import Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter
+from datagen.generation.turns import Stopped, generate_turns
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def admit(ctx: Context, job: Job, rid: str) -> Admission:
     ledger is away or being rebuilt (no run marker), wait for it."""
     def attempt() -> Admission:
         adm = ctx.ledger.admit(job.dataset, job.sample, rid, ctx.worker_id, job.prompt_tokens,
-                               job.max_new_tokens, precise=ctx.precise,
+                               job.sample_cap, precise=ctx.precise,
                                server=ctx.client.base_url)
         if adm.status == "lost":
             raise LedgerUnavailable("the ledger lost its state (no run marker); admission "
@@ -96,7 +97,8 @@ def call(ctx: Context, job: Job, prompt: Prompt, rid: str) -> Generation:
                                dataset=job.dataset)
 
 
-def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) -> None:
+def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
+            extra: dict[str, Any] | None = None) -> None:
     ctx.writer.append({
         "v": RECORD_VERSION, "id": job.sample, "dataset": job.dataset, "rid": rid,
         "queue": job.queue, "messages": prompt.messages, "prompt_ids": prompt.prompt_ids,
@@ -105,6 +107,7 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation) -
         "completion_tokens": gen.completion_tokens, "truncated": gen.truncated,
         "server": ctx.client.base_url, "worker": ctx.worker_id,
         "host": socket.gethostname(), "time": time.time(), "latency_s": gen.latency_s,
+        **(extra or {}),  # "turns" of a multi-turn sample
     })
 
 
@@ -163,6 +166,8 @@ def run_job(ctx: Context, job: Job) -> Outcome:
 
 def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
     prompt = read_prompt(ctx.settings.output_dir, job)
+    if job.turns > 1:
+        return _generate_conversation(ctx, job, prompt, lease)
     gen = call(ctx, job, prompt, lease.rid)
     if gen.aborted:
         # Aborted because the dataset closed (abort policy) or this worker is stopping:
@@ -179,6 +184,38 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
         log.error("sample %s of %s not stored: %s", job.sample, job.dataset, exc)
         raise
     return commit(ctx, job, prompt, lease, gen)
+
+
+def _generate_conversation(ctx: Context, job: Job, prompt: Prompt, lease: Lease) -> Outcome:
+    """regenerate = "all": every turn, then one record and one commit for the sample."""
+    def may_continue() -> str:
+        if STOPPING.is_set():
+            return "stopping"
+        return _until_ledger(lambda: ctx.ledger.may_continue(job.dataset, job.sample,
+                                                             lease.rid),
+                             f"next turn of {job.dataset}/{job.sample}")
+    result = generate_turns(ctx.client, job, prompt, lease.rid, sampling_params(ctx.settings, job),
+                            ctx.settings.keep_truncated, may_continue)
+    if isinstance(result, Stopped):
+        return _stopped(ctx, job, result)
+    gen = result.as_generation()
+    whole = replace(prompt, prompt_ids=result.prompt_ids, turn_ids=[])
+    persist(ctx, job, whole, lease.rid, gen, {"turns": result.turns})
+    return commit(ctx, job, whole, lease, gen)
+
+
+def _stopped(ctx: Context, job: Job, stop: Stopped) -> Outcome:
+    """A sample cut before its last turn: nothing is stored or counted but the waste."""
+    if stop.reason in ("context", "truncated"):
+        return _dead(ctx, job, stop.detail)
+    ctx.ledger.count(job.dataset, "discarded_tokens", stop.tokens)
+    log.info("sample %s of %s: %s", job.sample, job.dataset, stop.detail)
+    if stop.reason == "stopping" or (stop.reason == "aborted" and STOPPING.is_set()
+                                     and not ctx.ledger.closed(job.dataset)):
+        return Outcome("requeue", detail="handed back on shutdown")
+    if stop.reason == "lost":
+        return Outcome("busy", detail=stop.detail)
+    return Outcome("discarded", stop.tokens, detail=stop.detail)
 
 
 def _dead(ctx: Context, job: Job, reason: str, woken: list[str] | None = None) -> Outcome:

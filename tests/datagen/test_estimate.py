@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from datagen import estimate as est
+from datagen.extraction import estimate as est
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,8 @@ ORIGINAL_RUN = {**{f"B{i}": 10_000_000 for i in range(1, 9)},
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, datagen.estimate; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, datagen.extraction.estimate; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -86,7 +87,7 @@ def test_calibrate_runs_the_extraction_forward(tmp_path):
     from datagen.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "m", 128, hidden_size=32, num_layers=4)
-    from workers.extraction import calibrate
+    from datagen.extraction.extractor import calibrate
 
     rate = calibrate(str(model), seq_len=32, n_batches=2, device="cpu", dtype="float32")
     assert rate > 0

@@ -8,10 +8,11 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from config.settings import Settings
 from datagen.generation.ledger import Ledger, connect
-from datagen.metrics import CONTENT_TYPE, make_server, record_request, render_metrics
+from datagen.metrics import make_server, record_request, render_metrics
 from datagen.redis_server import free_port
 
 GPU1 = "http://gpu1:30000"
@@ -40,58 +41,53 @@ def ledger(redis_url: str) -> Ledger:
     return led
 
 
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition, read by Prometheus' own parser."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
 def test_metrics_give_each_dataset_its_gauges(ledger: Ledger) -> None:
-    lines = render_metrics(ledger).splitlines()
-    expected = [
-        "datagen_ledger_up 1",
-        'datagen_tokens{dataset="A"} 300',
-        'datagen_tokens{dataset="B"} 600',
-        'datagen_budget_tokens{dataset="A"} 1000',
-        'datagen_budget_tokens{dataset="B"} 500',
-        'datagen_samples{dataset="A"} 1',
-        'datagen_samples{dataset="B"} 1',
-        'datagen_truncated{dataset="A"} 1',
-        'datagen_truncated{dataset="B"} 0',
-        'datagen_in_flight{dataset="A"} 1',
-        'datagen_in_flight{dataset="B"} 0',
-        'datagen_queued{dataset="A"} 2',
-        'datagen_queued{dataset="B"} 0',
-        'datagen_dead_letters{dataset="A"} 0',
-        'datagen_dead_letters{dataset="B"} 1',
-        'datagen_closed{dataset="A"} 0',
-        'datagen_closed{dataset="B"} 1',
-        'datagen_revoked{dataset="A"} 2',
-        'datagen_revoked{dataset="B"} 0',
-    ]
-    for line in expected:
-        assert line in lines
-    assert "# TYPE datagen_tokens gauge" in lines
+    samples = scrape(render_metrics(ledger))
+    expected = {
+        "datagen_tokens": {"A": 300, "B": 600},
+        "datagen_budget_tokens": {"A": 1000, "B": 500},
+        "datagen_samples": {"A": 1, "B": 1},
+        "datagen_truncated": {"A": 1, "B": 0},
+        "datagen_in_flight": {"A": 1, "B": 0},
+        "datagen_queued": {"A": 2, "B": 0},
+        "datagen_dead_letters": {"A": 0, "B": 1},
+        "datagen_closed": {"A": 0, "B": 1},
+        "datagen_revoked": {"A": 2, "B": 0},
+    }
+    assert samples[("datagen_ledger_up", ())] == 1
+    for name, per_dataset in expected.items():
+        for dataset, value in per_dataset.items():
+            assert samples[(name, (("dataset", dataset),))] == value, (name, dataset)
+    assert "# TYPE datagen_tokens gauge" in render_metrics(ledger).splitlines()
 
 
 def test_metrics_give_each_server_latency_tokens_and_in_flight(ledger: Ledger) -> None:
-    lines = render_metrics(ledger).splitlines()
+    text = render_metrics(ledger)
+    samples = scrape(text)
     # The password in a server URL never reaches a label.
     masked = "http://user:***@gpu2:30000"
-    for line in [
-        "# TYPE datagen_request_latency_seconds summary",
-        f'datagen_request_latency_seconds_sum{{server="{GPU1}"}} 6.5',
-        f'datagen_request_latency_seconds_count{{server="{GPU1}"}} 2',
-        f'datagen_request_latency_seconds_sum{{server="{masked}"}} 1.25',
-        f'datagen_request_latency_seconds_count{{server="{masked}"}} 1',
-        f'datagen_server_completion_tokens_total{{server="{GPU1}"}} 900',
-        f'datagen_server_completion_tokens_total{{server="{masked}"}} 40',
-        f'datagen_server_in_flight{{server="{masked}"}} 1',
-    ]:
-        assert line in lines
-    assert not any("secret" in line for line in lines)
-    assert not any(line.startswith(f'datagen_server_in_flight{{server="{GPU1}"')
-                   for line in lines)
+
+    def at(name: str, server: str) -> float | None:
+        return samples.get((name, (("server", server),)))
+    assert at("datagen_request_latency_seconds_sum", GPU1) == 6.5
+    assert at("datagen_request_latency_seconds_count", GPU1) == 2
+    assert at("datagen_request_latency_seconds_sum", masked) == 1.25
+    assert at("datagen_request_latency_seconds_count", masked) == 1
+    assert at("datagen_server_completion_tokens_total", GPU1) == 900
+    assert at("datagen_server_completion_tokens_total", masked) == 40
+    assert at("datagen_server_in_flight", masked) == 1
+    assert at("datagen_server_in_flight", GPU1) is None
+    assert "secret" not in text
 
 
-def test_exposition_parses_with_the_reference_parser(ledger: Ledger) -> None:
-    parser = pytest.importorskip("prometheus_client.parser")  # comes with flower
-    families = {f.name: f for f in parser.text_string_to_metric_families(
-        render_metrics(ledger))}
+def test_exposition_families_have_their_types(ledger: Ledger) -> None:
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(ledger))}
     assert families["datagen_request_latency_seconds"].type == "summary"
     assert families["datagen_server_completion_tokens"].type == "counter"
     assert {s.labels["dataset"] for s in families["datagen_tokens"].samples} == {"A", "B"}
@@ -100,14 +96,17 @@ def test_exposition_parses_with_the_reference_parser(ledger: Ledger) -> None:
 def test_metrics_say_the_ledger_is_down_when_redis_is_unreachable() -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     down = Ledger(connect(url), Settings(redis_url=url))
-    assert render_metrics(down).splitlines()[-1] == "datagen_ledger_up 0"
+    assert scrape(render_metrics(down)) == {("datagen_ledger_up", ()): 0}
 
 
 def test_label_values_are_escaped(redis_url: str) -> None:
     led = Ledger(connect(redis_url), Settings(redis_url=redis_url))
     record_request(led.r, 'http://a"b\\c', 1.0, 1)
-    assert 'datagen_request_latency_seconds_count{server="http://a\\"b\\\\c"} 1' in (
-        render_metrics(led).splitlines())
+    text = render_metrics(led)
+    assert 'datagen_request_latency_seconds_count{server="http://a\\"b\\\\c"} 1.0' in (
+        text.splitlines())
+    samples = scrape(text)
+    assert samples[("datagen_request_latency_seconds_count", (("server", 'http://a"b\\c'),))] == 1
 
 
 @pytest.fixture
@@ -125,9 +124,9 @@ def served(ledger: Ledger) -> Iterator[str]:
 def test_server_serves_metrics_over_http(served: str) -> None:
     with urllib.request.urlopen(f"{served}/metrics", timeout=5) as resp:
         assert resp.status == 200
-        assert resp.headers["Content-Type"] == CONTENT_TYPE
+        assert resp.headers["Content-Type"].startswith("text/plain; version=")
         body = resp.read().decode()
-    assert 'datagen_tokens{dataset="A"} 300' in body.splitlines()
+    assert scrape(body)[("datagen_tokens", (("dataset", "A"),))] == 300
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(f"{served}/other", timeout=5)
     assert err.value.code == 404

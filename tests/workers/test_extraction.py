@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from datagen.estimate import InsufficientDiskSpace
+from datagen.extraction.estimate import InsufficientDiskSpace
+from datagen.extraction.extractor import ExtractionConfig, Extractor
+from datagen.extraction.files import TMP_MARK
+from datagen.extraction.manifest import load_done
 from datagen.tiny_model import build_tiny_llama
-from workers.extraction import ExtractionConfig, Extractor
-from workers.extraction_io import TMP_MARK, load_done
 
 VOCAB = 300
 HIDDEN = 64
@@ -159,16 +160,6 @@ def test_written_files_satisfy_specforge_contract(model, extractor, tmp_path):
     assert res.tokens == sum(e["tokens"] for e in entries)
 
 
-def test_safetensors_format(model, tmp_path):
-    from safetensors.torch import load_file
-
-    write_shard(tmp_path / "shard.jsonl", 3)
-    with make_extractor(model, tmp_path / "out", file_format="safetensors") as ex:
-        assert ex.run_shard(tmp_path / "shard.jsonl").written == 3
-    d = load_file(tmp_path / "out" / "rows_0-2000" / "data_1.safetensors")
-    assert d["aux_hidden_state"].shape[2] == 3 * HIDDEN
-
-
 def test_rows_folders_of_2000(model, extractor, tmp_path):
     write_shard(tmp_path / "shard.jsonl", 2, start=3999)
     extractor.run_shard(tmp_path / "shard.jsonl")
@@ -215,7 +206,7 @@ def test_leftover_temp_and_unrecorded_file_are_redone(extractor, tmp_path):
 
 KILL_SCRIPT = textwrap.dedent("""
     import sys, time
-    from workers.extraction import ExtractionConfig, Extractor
+    from datagen.extraction.extractor import ExtractionConfig, Extractor
     cfg = ExtractionConfig(model_path=sys.argv[1], output_dir=sys.argv[2], dtype="float32",
                            device="cpu", batch_tokens=1, writer_threads=2, max_pending_writes=2)
     Extractor(cfg).run_shard(sys.argv[3], progress=lambda done, total: time.sleep(0.05))
@@ -311,7 +302,7 @@ def test_failing_batch_is_split_down_to_the_bad_sample(extractor, tmp_path, monk
 
 
 def test_disk_check_refuses_unless_forced(model, tmp_path, monkeypatch):
-    import datagen.estimate as est
+    import datagen.extraction.estimate as est
 
     write_shard(tmp_path / "s.jsonl", 2)
     monkeypatch.setattr(est.shutil, "disk_usage", lambda _p: SimpleNamespace(free=10))
@@ -350,16 +341,16 @@ def test_disk_error_fails_the_shard_and_a_retry_redoes_only_the_lost_sample(
         extractor, tmp_path, monkeypatch):
     import errno
 
-    import workers.extraction as extraction
+    import datagen.extraction.extractor as extraction
     from datagen.errors import StorageError
 
     write_shard(tmp_path / "s.jsonl", 5)
     real = extraction.save_atomic
 
-    def save_atomic(final, tensors, file_format):
+    def save_atomic(final, tensors):
         if final.name == "data_2.ckpt":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(final, tensors, file_format)
+        return real(final, tensors)
 
     monkeypatch.setattr(extraction, "save_atomic", save_atomic)
     with pytest.raises(StorageError, match="No space left"):

@@ -1,8 +1,8 @@
 """Where each extraction shard stands, in Redis: done, running (leased), queued or dead.
 
-Shared by the `gpu` task (workers/extract.py) and ``datagen extract``; imports neither torch
-nor worker code. A shard is done *for one content*: its entry carries the sha256 of the shard
-file, so a shard rewritten by a later ``datagen prepare`` is not taken as done.
+Shared by the `gpu` task (datagen/extraction/runner.py) and ``datagen extract``; imports
+neither torch nor worker code. A shard is done *for one content*: its entry carries the sha256
+of the shard file, so a shard rewritten by a later ``datagen prepare`` is not taken as done.
 
 A gpu task holds a lease on its shard while it runs (SET NX with a TTL, refreshed by a thread),
 so a duplicate message of a running shard is dropped instead of writing the same files twice;

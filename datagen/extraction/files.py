@@ -1,4 +1,4 @@
-"""Files of the extraction phase: shard input, sample layout, atomic writes, manifest.
+"""Files of the extraction phase: shard input, sample layout, atomic writes (manifest: manifest.py).
 
 Output layout (SpecForge walks the folder recursively and keeps names ending in ``.ckpt``)::
 
@@ -16,7 +16,6 @@ and redoing at most ``writer_threads`` samples is cheaper than loading each file
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import threading
@@ -27,12 +26,10 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger(__name__)
+from datagen.handoff import kept_length, loss_mask
 
 ROWS_PER_DIR = 2000
-MANIFEST_DIR = "manifest"
 TMP_MARK = ".tmp-"
-EXTENSIONS = {"ckpt": "ckpt", "safetensors": "safetensors"}
 _TMP_NAME = re.compile(r"^\.data_(\d+)\.[a-z]+" + re.escape(TMP_MARK))
 
 
@@ -41,9 +38,11 @@ class Sample:
     idx: int
     id: str
     dataset: str
-    input_ids: list[int]   # prompt + output, already truncated to max_length
+    input_ids: list[int]   # prompt + output, already cut by the length rule
     n_prompt: int          # leading tokens with loss_mask 0
     truncated: bool
+    # Several generated turns (regenerate = "all"): [start, end) of each, loss_mask 1 there.
+    loss_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -84,7 +83,8 @@ def _ids_ok(ids: Any, vocab_size: int) -> bool:
 
 def prepare(line: int, rec: Any, max_length: int, overlong: str,
             vocab_size: int) -> Sample | Rejected:
-    """Validate one record and apply the overlong rule; ids out of the vocab are rejected
+    """Validate one record and apply the length rule (datagen/handoff.py, the one SpecForge's
+    data.max_length agrees with); ids out of the vocab are rejected
     here because on CUDA they would trip a device-side assert that poisons the whole process."""
     if not isinstance(rec, dict):
         return Rejected(None, f"line {line}", f"not a JSON object: {rec}")
@@ -97,13 +97,31 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     ids = prompt + output
     if not ids:
         return Rejected(idx, sid, "no tokens")
-    truncated = len(ids) > max_length
-    if truncated and overlong == "skip":
-        return Rejected(idx, sid, f"{len(ids)} tokens > max_length {max_length}", overlong=True)
-    if len(prompt) >= max_length:
-        # truncation would keep no response token: nothing to train on
-        return Rejected(idx, sid, f"prompt alone {len(prompt)} >= max_length", overlong=True)
-    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:max_length], len(prompt), truncated)
+    spans = _loss_spans(rec.get("loss_spans"), len(prompt), len(ids))
+    if spans is None:
+        return Rejected(idx, sid, "loss_spans not ordered [start, end) pairs inside the ids")
+    first = spans[0][0] if spans else len(prompt)
+    kept, why = kept_length(first, len(ids), max_length, overlong, spans)
+    if not kept:
+        return Rejected(idx, sid, why, overlong=True)
+    return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first, kept < len(ids),
+                  spans)
+
+
+def _loss_spans(raw: Any, n_prompt: int, n_ids: int) -> tuple[tuple[int, int], ...] | None:
+    """A multi-turn record's spans (), or None when they are malformed."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        return None
+    spans, end = [], 0
+    for span in raw:
+        if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)
+                and end <= span[0] <= span[1] <= n_ids):
+            return None
+        spans.append((span[0], span[1]))
+        end = span[1]
+    return tuple(spans) if spans[-1] == (n_prompt, n_ids) else None
 
 
 def rows_dir(idx: int) -> str:
@@ -111,15 +129,19 @@ def rows_dir(idx: int) -> str:
     return f"rows_{start}-{start + ROWS_PER_DIR}"
 
 
-def relative_path(idx: int, file_format: str) -> str:
-    return f"{rows_dir(idx)}/data_{idx}.{EXTENSIONS[file_format]}"
+def relative_path(idx: int) -> str:
+    return f"{rows_dir(idx)}/data_{idx}.ckpt"
 
 
 def sample_tensors(sample: Sample, aux: torch.Tensor, final: torch.Tensor) -> dict:
     ids = torch.tensor(sample.input_ids, dtype=torch.int64)
-    mask = torch.ones(sample.length, dtype=torch.int64)
-    mask[: sample.n_prompt] = 0
+    mask = torch.tensor(sample_loss_mask(sample), dtype=torch.int64)
     return {"input_ids": ids, "loss_mask": mask, "aux_hidden_state": aux, "hidden_state": final}
+
+
+def sample_loss_mask(sample: Sample) -> list[int]:
+    """The file's loss_mask (also what the vocab counts and the online rows use)."""
+    return loss_mask(sample.n_prompt, sample.length, sample.loss_spans)
 
 
 def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
@@ -130,16 +152,12 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
-def save_atomic(final: Path, tensors: dict[str, torch.Tensor], file_format: str) -> int:
+def save_atomic(final: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Write, fsync, rename, fsync the folder; returns the file size."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
     try:
-        if file_format == "safetensors":
-            from safetensors.torch import save_file
-            save_file(tensors, str(tmp))
-        else:
-            torch.save(tensors, tmp)
+        torch.save(tensors, tmp)
         size = tmp.stat().st_size
         _fsync(tmp)
         os.replace(tmp, final)
@@ -167,56 +185,3 @@ def remove_stale_temps(output_dir: Path, idxs: Iterable[int]) -> int:
                 Path(entry.path).unlink(missing_ok=True)
                 removed += 1
     return removed
-
-
-def shard_name(shard_path: str | Path) -> str:
-    p = Path(shard_path)
-    # parent folder too: every dataset folder may have its own shard-0000.jsonl
-    return re.sub(r"[^A-Za-z0-9._-]", "_", f"{p.parent.name}__{p.stem}")
-
-
-def load_done(output_dir: Path) -> dict[tuple[str, str], str]:
-    """(dataset, id) -> relative path from every manifest; torn last lines are skipped."""
-    done: dict[tuple[str, str], str] = {}
-    folder = output_dir / MANIFEST_DIR
-    if not folder.is_dir():
-        return done
-    for path in sorted(folder.glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                e = json.loads(line)
-                done[(str(e["dataset"]), str(e["id"]))] = str(e["path"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-    return done
-
-
-class Manifest:
-    """Append-only JSONL of completed samples; one ``write`` per line on an O_APPEND fd so
-    lines from several threads (or a duplicate delivery of the same shard) never interleave."""
-
-    def __init__(self, output_dir: Path, name: str):
-        folder = output_dir / MANIFEST_DIR
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{name}.jsonl"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._lock = threading.Lock()
-        self._end_torn_line()
-
-    def _end_torn_line(self) -> None:
-        # a kill mid-append leaves a line without "\n"; close it so the next entry stays parseable
-        size = os.fstat(self._fd).st_size
-        if size:
-            with open(self.path, "rb") as fh:
-                fh.seek(size - 1)
-                if fh.read(1) != b"\n":
-                    os.write(self._fd, b"\n")
-
-    def append(self, entry: dict) -> None:
-        data = (json.dumps(entry, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-        with self._lock:
-            os.write(self._fd, data)
-            os.fsync(self._fd)
-
-    def close(self) -> None:
-        os.close(self._fd)

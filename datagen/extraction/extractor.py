@@ -3,8 +3,8 @@
 One ``Extractor`` per GPU process loads the model once; the Celery task calls ``run_shard``
 for each shard of phase-1 records. Per sample it writes ``data_{idx}.ckpt`` =
 {input_ids int64 [L], loss_mask int64 [L], aux_hidden_state [1, L, 3H], hidden_state [1, L, H]}
-(see extraction_io for layout and crash safety, extraction_model for hooks and packing,
-extraction_pipeline for the overlap of compute, copies and writes).
+(see files.py for layout and crash safety, backends/hf.py for hooks and packing,
+pipeline.py for the overlap of compute, copies and writes).
 
 Batching: a shard's samples are sorted by length (longest first) and cut into batches of at most
 ``batch_tokens`` tokens; a batch is the unit of retry and of one device->host copy. Inside a
@@ -26,29 +26,29 @@ from typing import Any
 
 import torch
 
+from datagen import vocab_mapping as vm
 from datagen.errors import StorageError
-from datagen.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
-from workers.extraction_io import (
-    Manifest,
-    Rejected,
-    Sample,
-    load_done,
-    prepare,
-    read_shard,
-    relative_path,
-    remove_stale_temps,
-    sample_tensors,
-    save_atomic,
-    shard_name,
-)
-from workers.extraction_model import (
+from datagen.extraction.backends.hf import (
     DTYPES,
     RowRunner,
     load_model,
     packing_isolated,
     resolve_device,
 )
-from workers.extraction_pipeline import AsyncWriter, Countdown, HostStaging, Staged
+from datagen.extraction.estimate import DTYPE_BYTES, check_disk, default_aux_layer_ids
+from datagen.extraction.files import (
+    Rejected,
+    Sample,
+    prepare,
+    read_shard,
+    relative_path,
+    remove_stale_temps,
+    sample_loss_mask,
+    sample_tensors,
+    save_atomic,
+)
+from datagen.extraction.manifest import Manifest, load_done, shard_name
+from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
 
@@ -65,21 +65,19 @@ class ExtractionConfig:
     aux_layer_ids: tuple[int, ...] | None = None  # None: SpecForge's [1, N//2-1, N-4]
     dtype: str = "bfloat16"
     device: str = "auto"
-    max_length: int = 16384
+    max_length: int = 2048       # the settings' train_max_length
     overlong: str = "truncate"   # or "skip"
     batch_tokens: int = 32768
     pack_tokens: int | None = None  # None: whole batch with flash varlen, else 4096 (see model)
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    file_format: str = "ckpt"    # or "safetensors"
     writer_threads: int = 4
     max_pending_writes: int = 8
     check_free_space: bool = True
     force: bool = False          # write even when the disk check says it will not fit
 
     def __post_init__(self) -> None:
-        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"),
-                   "file_format": ("ckpt", "safetensors")}
+        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
@@ -121,6 +119,7 @@ class _ShardRun:
     result: ShardResult
     manifest: Manifest | None = None
     pending: list[tuple[Sample, Future]] = field(default_factory=list)
+    kept: list[tuple[str, Sample]] = field(default_factory=list)  # (file, sample) on disk
     total: int = 0
     handled: int = 0
 
@@ -247,12 +246,24 @@ class Extractor:
             finally:
                 self._collect(run)
                 run.manifest.close()
+        self._write_counts(out_dir, shard_path, run)
         run.result.seconds = time.perf_counter() - t0
         log.info("shard %s: %d written (%d tokens), %d done before, %d overlong, %d failed, "
                  "%.1fs", shard_path, run.result.written, run.result.tokens,
                  run.result.skipped_done, run.result.skipped_overlong,
                  len(run.result.failures), run.result.seconds)
         return run.result
+
+    def _write_counts(self, out_dir: Path, shard_path: str | Path, run: _ShardRun) -> None:
+        """Token counts of every file this shard has, for vocab_mapping.pt: gathered from the
+        ids in memory, so the mapping never needs another pass over the files."""
+        counts = vm.count_samples((path, s.input_ids, sample_loss_mask(s))
+                                  for path, s in run.kept)
+        vm.write_shard_counts(out_dir, shard_name(shard_path), counts, {
+            "shard": str(shard_path), "samples": len(run.kept),
+            "aux_layer_ids": list(self.aux_layer_ids), "hidden_size": self.hidden_size,
+            "max_length": self.cfg.max_length, "overlong": self.cfg.overlong,
+            "dtype": self.cfg.dtype})
 
     def _plan(self, shard_path: str | Path, out_dir: Path, run: _ShardRun) -> list[Sample]:
         """Validate, drop what is done, clean temps of the rest, check the disk."""
@@ -269,6 +280,7 @@ class Extractor:
                     res.failures.append(SampleFailure(s.idx, s.id, s.reason))
             elif s.key in done and (out_dir / done[s.key]).is_file():
                 res.skipped_done += 1
+                run.kept.append((done[s.key], s))
             else:
                 res.truncated += s.truncated
                 todo.append(s)
@@ -340,9 +352,8 @@ class Extractor:
             final[0].copy_(part[:, split:])
         finally:
             countdown.done()
-        rel = relative_path(s.idx, self.cfg.file_format)
-        size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final),
-                           self.cfg.file_format)
+        rel = relative_path(s.idx)
+        size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final))
         assert run.manifest is not None
         run.manifest.append({"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
                              "tokens": s.length})
@@ -357,6 +368,7 @@ class Extractor:
             exc = fut.exception()
             if exc is None:
                 run.result.written += 1
+                run.kept.append((relative_path(s.idx), s))
                 run.result.tokens += s.length
                 run.result.bytes += fut.result()
             elif isinstance(exc, OSError):

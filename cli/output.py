@@ -1,0 +1,55 @@
+"""What the commands print: shared by `datagen` subcommands and the demo, importing neither."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from config.settings import Settings
+from datagen import dead as dead_mod
+from datagen import status as status_mod
+from datagen.generation.ledger import Ledger
+from datagen.generation.merge import datasets_on_disk, merge_dataset
+
+
+def print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def render_produce(reports: list[Any]) -> str:
+    lines = [f"{'dataset':<14} {'read':>6} {'enqueued':>8} {'short':>6} {'long':>5} "
+             f"{'done':>6} {'queued':>6} {'clamped':>7} {'skipped':>7}"]
+    for r in reports:
+        lines.append(f"{r.dataset:<14} {r.read:>6} {r.enqueued:>8} {r.short:>6} {r.long:>5} "
+                     f"{r.already_done:>6} {r.already_queued:>6} {r.clamped:>7} "
+                     f"{r.bad_count:>7}")
+    for r in reports:
+        for line in (r.rebuilt, r.skipped):
+            if line:
+                lines.append(line)
+        for bad in r.bad[:10]:
+            lines.append(f"  skipped {bad}")
+        if r.bad_count > 10:
+            lines.append(f"  ... {r.bad_count - 10} more in reports/{r.dataset}.bad.txt")
+    total_bad = sum(r.bad_count for r in reports)
+    lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input")
+    return "\n".join(lines)
+
+
+def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
+    """The end-of-run table, and why samples died when any did."""
+    print(status_mod.render(table))
+    reasons = dead_mod.summary(dead_mod.read(ledger, [r.dataset for r in table]))
+    if reasons:
+        print(reasons)
+
+
+def merge_all(settings: Settings, ledger: Ledger, include_uncommitted: bool = False) -> None:
+    for dataset in datasets_on_disk(settings.output_dir):
+        committed = ledger.committed(dataset) or None
+        report = merge_dataset(settings.output_dir, dataset, committed, include_uncommitted)
+        extra = f", {report.duplicates} duplicates dropped" if report.duplicates else ""
+        if report.uncommitted:
+            extra += f", {report.uncommitted} uncommitted left out"
+        print(f"{dataset}: {report.records} records, {report.completion_tokens:,} completion "
+              f"tokens -> {report.path}{extra}")

@@ -1,0 +1,1 @@
+"""The model side of extraction: swappable implementations behind one small interface."""

@@ -1,0 +1,128 @@
+"""One shard of the training set, start to end: the core of the `gpu` task (workers/extract.py).
+
+A run: check (done for this content? another worker on it?) -> run the shard -> dead-letter
+the samples that failed alone -> mark the shard done. Exceptions are the caller's: the task
+retries a whole-shard failure (a crash, a disk error) with a countdown, then calls ``give_up``,
+which dead-letters the shard with its reason; either way the queue moves on. torch is imported
+here only inside functions: the short/long workers import the task module too and must start
+without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from config.settings import Settings
+from datagen.errors import BadInput
+from datagen.extraction.ledger import ExtractionLedger
+from datagen.training_set import extraction_dir
+
+log = logging.getLogger(__name__)
+
+DEAD_LETTERS = "dead_letters.jsonl"  # in the extraction folder, one JSON line per failure
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def extraction_config(settings: Settings) -> Any:
+    from datagen.extraction.extractor import ExtractionConfig  # torch loads here
+
+    threads = settings.extract_writer_threads
+    return ExtractionConfig(
+        model_path=settings.model_path, output_dir=str(extraction_dir(settings)),
+        aux_layer_ids=tuple(settings.aux_layer_ids) if settings.aux_layer_ids else None,
+        dtype=settings.extract_dtype, device=settings.extract_device,
+        max_length=settings.train_max_length, overlong=settings.extract_overlong,
+        batch_tokens=settings.extract_batch_tokens,
+        attn_implementation=settings.extract_attn_implementation,
+        trust_remote_code=settings.trust_remote_code,
+        writer_threads=threads, max_pending_writes=2 * threads)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dead_letter(settings: Settings, entries: list[dict[str, Any]]) -> None:
+    """Append failures to <extraction_dir>/dead_letters.jsonl (one write per batch of lines)."""
+    if not entries:
+        return
+    folder = extraction_dir(settings)
+    folder.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
+    fd = os.open(folder / DEAD_LETTERS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def result_entry(result: Any, sha256: str) -> dict[str, Any]:
+    return {"sha256": sha256, "samples": result.written + result.skipped_done,
+            "written": result.written, "skipped_done": result.skipped_done,
+            "skipped_overlong": result.skipped_overlong, "truncated": result.truncated,
+            "failed": len(result.failures), "tokens": result.tokens, "bytes": result.bytes,
+            "seconds": round(result.seconds, 3), "overlong_ids": result.overlong_ids[:20],
+            "worker": worker_id(), "time": time.time()}
+
+
+def _reporter(xl: ExtractionLedger, shard: str, me: str) -> Any:
+    def report(handled: int, total: int) -> None:
+        try:
+            xl.progress(shard, handled, total, me)
+        except Exception as exc:  # noqa: BLE001 - progress is for display; the run goes on
+            log.warning("progress of %s not recorded: %s", shard, exc)
+    return report
+
+
+def run(settings: Settings, xl: ExtractionLedger, extractor: Callable[[], Any],
+        shard: str) -> dict[str, Any]:
+    """Run one shard and persist its outcome; ``extractor()`` gives the process's Extractor."""
+    me = worker_id()
+    if Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise BadInput(f"shard {shard!r} is not a path inside the output folder")
+    path = Path(settings.output_dir) / shard
+    sha = file_sha256(path)
+    if xl.is_done(shard, sha):
+        return {"status": "done before"}
+    with xl.lease(shard, me, settings.lease_s) as held:
+        if not held:
+            return {"status": "busy"}  # a live worker runs it; this message is a duplicate
+        if xl.is_done(shard, sha):  # finished between the check and the lease
+            return {"status": "done before"}
+        result = extractor().run_shard(path, progress=_reporter(xl, shard, me))
+        now = time.time()
+        dead_letter(settings, [{"kind": "sample", "shard": shard, "idx": f.idx, "id": f.id,
+                                "reason": f.reason, "worker": me, "time": now}
+                               for f in result.failures])
+        entry = result_entry(result, sha)
+        xl.mark_done(shard, entry, len(result.failures))
+    return {"status": "done", **entry}
+
+
+def give_up(settings: Settings, xl: ExtractionLedger, shard: str,
+            exc: BaseException) -> dict[str, Any]:
+    reason = f"{type(exc).__name__}: {exc}"
+    log.error("shard %s dead-lettered: %s", shard, reason)
+    path = Path(settings.output_dir) / shard
+    readable = not isinstance(exc, BadInput) and path.is_file()
+    sha = file_sha256(path) if readable else ""
+    dead_letter(settings, [{"kind": "shard", "shard": shard, "idx": None, "id": None,
+                            "reason": reason, "worker": worker_id(), "time": time.time()}])
+    xl.mark_dead(shard, sha, reason, worker_id())
+    return {"status": "dead", "reason": reason}

@@ -1,0 +1,104 @@
+"""Multi-turn regeneration (``regenerate = "all"``): one sample's assistant turns, in order.
+
+Each turn is one SGLang request, but the sample is one unit in the ledger: admitted once
+for all its turns (reserving ``turns × max_new_tokens``), held by one lease from its first
+turn to its commit, and committed once with the tokens of every turn. Turn k's prompt is
+turn k-1's prompt + its output ids + the template's ids before turn k (that turn's close,
+the next user turn, the generation prompt; ``ChatEncoder.encode_turns``): the generated ids
+go into the history exactly, never decoded and re-tokenized, so the record's ids hold every
+turn and one training row covers them all.
+
+Before each later turn the ledger says whether the sample may go on. A dataset closed in the
+meantime, a sample whose entry a reaper reclaimed, or a worker shutting down stops it: the
+turns done are discarded (counted as ``discarded_tokens``), never committed half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from datagen.client import Generation, SGLangClient
+from datagen.generation.job import Job, Prompt
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Every turn of one sample, generated."""
+
+    prompt_ids: list[int]  # the last turn's prompt: every earlier turn's output inside it
+    last: Generation
+    turns: list[dict[str, Any]]  # per turn: rid, span [start, end) of its output, ...
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(t["completion_tokens"] for t in self.turns)
+
+    def as_generation(self) -> Generation:
+        """The sample as one generation: what the ledger counts and the record stores.
+        prompt_tokens are the ids of the row nobody generated (template and user turns)."""
+        row = len(self.prompt_ids) + len(self.last.output_ids)
+        generated = sum(t["span"][1] - t["span"][0] for t in self.turns)
+        return Generation(self.last.output_ids, self.last.finish_reason, row - generated,
+                          self.completion_tokens, sum(t["latency_s"] for t in self.turns),
+                          self.last.text)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The sample stopped before its last turn was stored; nothing of it is committed."""
+
+    reason: str  # closed | lost | stopping | context | aborted | truncated
+    tokens: int  # generated before the stop (discarded)
+    detail: str
+
+
+def turn_rid(rid: str, turn: int) -> str:
+    """The first turn keeps the lease's rid; later ones extend it, so an abort of the
+    lease's rid (SGLang matches rids by prefix) reaches whichever turn is running."""
+    return rid if turn == 0 else f"{rid}-{turn}"
+
+
+def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
+                   params: Mapping[str, Any], keep_truncated: bool,
+                   may_continue: Callable[[], str]) -> Conversation | Stopped:
+    """Generate the sample's turns in order; ``may_continue`` answers "ok" or why not."""
+    ids = list(prompt.prompt_ids)
+    turns: list[dict[str, Any]] = []
+    generated = 0
+    gen: Generation | None = None
+    for n in range(job.turns):
+        if gen is not None:
+            ids += gen.output_ids + _between(gen, prompt.turn_ids[n - 1])
+            state = may_continue()
+            if state != "ok":
+                return Stopped(state, generated, f"stopped before turn {n + 1}: {state}")
+        max_new = job.max_new_tokens
+        if job.context_length:
+            max_new = min(max_new, job.context_length - len(ids) - 1)
+        if max_new < 1:
+            return Stopped("context", generated,
+                           f"turn {n + 1} of {job.turns}: the conversation ({len(ids)} tokens) "
+                           f"leaves no room in the context length {job.context_length}")
+        gen = client.generate(ids, {**params, "max_new_tokens": max_new}, turn_rid(rid, n),
+                              dataset=job.dataset)
+        generated += gen.completion_tokens
+        if gen.aborted:
+            return Stopped("aborted", generated, f"turn {n + 1} aborted")
+        if gen.truncated and not keep_truncated:
+            return Stopped("truncated", generated, f"turn {n + 1} truncated at max_new_tokens "
+                           "and keep_truncated is off")
+        turns.append({"rid": turn_rid(rid, n), "span": [len(ids), len(ids) + len(gen.output_ids)],
+                      "finish_reason": gen.finish_reason, "prompt_tokens": len(ids),
+                      "completion_tokens": gen.completion_tokens, "latency_s": gen.latency_s})
+    assert gen is not None  # job.turns >= 1
+    return Conversation(ids, gen, turns)
+
+
+def _between(gen: Generation, between: list[int]) -> list[int]:
+    # A turn that stopped on its stop token already wrote the template's close of the turn.
+    if (gen.finish_reason.get("type") == "stop" and gen.output_ids and between
+            and gen.output_ids[-1] == between[0]):
+        return between[1:]
+    return list(between)

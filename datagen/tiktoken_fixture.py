@@ -1,0 +1,86 @@
+"""A tokenizer folder shaped like Kimi-K2.5's: custom tiktoken code behind `auto_map`.
+
+Kimi-K2.x ships its tokenizer as code: `tokenizer_config.json` maps `AutoTokenizer` to
+`tokenization_kimi.TikTokenTokenizer`, a `PreTrainedTokenizer` that wraps a `tiktoken.Encoding`
+built from the `tiktoken.model` ranks, and transformers loads it only with
+`trust_remote_code=True`. `build_tiktoken_tokenizer` writes a small folder of the same
+structure, fully offline: ranks from the tiny tokenizer's BPE merges (trained in code), the
+class of `datagen/tiktoken_tokenization.py`, and a chat template with Kimi's role markers and a
+thinking switch read from the template kwargs (`thinking`, true by default):
+
+    <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
+    <|im_assistant|>assistant<|im_middle|><think>            (thinking on)
+    <|im_assistant|>assistant<|im_middle|><think></think>    (thinking = false)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import shutil
+from importlib import resources
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MODULE_NAME = "tokenization_tiny_tiktoken"
+CLASS_NAME = "TinyTikTokenTokenizer"
+EOS_TOKEN = "<|im_end|>"
+
+CHAT_TEMPLATE = r"""{%- for message in messages -%}
+{%- if message['role'] == 'system' -%}{{- '<|im_system|>system<|im_middle|>' -}}
+{%- elif message['role'] == 'user' -%}{{- '<|im_user|>user<|im_middle|>' -}}
+{%- elif message['role'] == 'assistant' -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}
+{%- else -%}{{- raise_exception("unknown role '" ~ message['role'] ~ "'") -}}
+{%- endif -%}
+{%- if message['content'] is not string -%}
+{{- raise_exception("message " ~ loop.index ~ " has no string content") -}}
+{%- endif -%}
+{{- message['content'] ~ '<|im_end|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_assistant|>assistant<|im_middle|>' -}}
+{%- if thinking is defined and thinking is false -%}{{- '<think></think>' -}}
+{%- else -%}{{- '<think>' -}}{%- endif -%}
+{%- endif -%}"""
+
+
+def _ranks(vocab_size: int) -> dict[bytes, int]:
+    """Byte-level BPE ranks: the 256 bytes, then the tiny tokenizer's merges in their order."""
+    from datagen.tiktoken_tokenization import byte_to_unicode
+    from datagen.tokenizer import _train_bpe
+
+    spelled = {ch: b for b, ch in byte_to_unicode().items()}
+    vocab = _train_bpe(vocab_size).get_vocab(with_added_tokens=False)
+    ranks = {bytes([b]): b for b in range(256)}
+    for token, _ in sorted(vocab.items(), key=lambda kv: kv[1]):
+        if all(ch in spelled for ch in token):
+            raw = bytes(spelled[ch] for ch in token)
+            ranks.setdefault(raw, len(ranks))
+    return ranks
+
+
+def build_tiktoken_tokenizer(out_dir: Path, vocab_size: int = 2048) -> Path:
+    """Write a Kimi-style custom-code tokenizer folder into out_dir; loads only with
+    `AutoTokenizer.from_pretrained(out_dir, trust_remote_code=True)`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ranks = _ranks(vocab_size)
+    with open(out_dir / "tiktoken.model", "w", encoding="ascii") as fh:
+        for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+            fh.write(f"{base64.b64encode(token).decode()} {rank}\n")
+    source = resources.files("datagen").joinpath("tiktoken_tokenization.py")
+    with resources.as_file(source) as path:
+        shutil.copyfile(path, out_dir / f"{MODULE_NAME}.py")
+    config = {
+        "tokenizer_class": CLASS_NAME,
+        "auto_map": {"AutoTokenizer": [f"{MODULE_NAME}.{CLASS_NAME}", None]},
+        "bos_token": "[BOS]", "eos_token": EOS_TOKEN, "pad_token": "[PAD]",
+        "unk_token": "[UNK]", "model_max_length": 32_768,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
+                                                   encoding="utf-8")
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    logger.info("built tiktoken tokenizer in %s (%d ranks)", out_dir, len(ranks))
+    return out_dir

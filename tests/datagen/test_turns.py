@@ -1,0 +1,123 @@
+"""Multi-turn pieces on their own: the template's ids between turns, the turn loop's stops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from datagen.client import Generation
+from datagen.generation.job import Job, Prompt
+from datagen.generation.turns import Conversation, Stopped, generate_turns
+from datagen.tiktoken_fixture import build_tiktoken_tokenizer
+from datagen.tokenizer import ChatEncoder, ChatTemplateError
+
+CHAT = [{"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a budget?"},
+        {"role": "assistant", "content": "old answer one"},
+        {"role": "user", "content": "And a lease?"},
+        {"role": "assistant", "content": "old answer two"},
+        {"role": "user", "content": "Thanks. Last question: a ledger?"}]
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory: pytest.TempPathFactory) -> ChatEncoder:
+    folder = build_tiktoken_tokenizer(tmp_path_factory.mktemp("kimi") / "tok")
+    return ChatEncoder(folder, {"thinking": False}, trust_remote_code=True)
+
+
+def test_turn_ids_rebuild_exactly_what_the_template_writes_for_the_generated_history(
+        kimi: ChatEncoder) -> None:
+    # Given: two generated answers (after the prompt's <think></think>), each ending on the
+    # template's close of a turn
+    generated = ["A budget is a token count.", "A lease is a deadline."]
+    outputs = [kimi._tokenizer(g, add_special_tokens=False)["input_ids"] + [kimi.eos_token_id]
+               for g in generated]
+    # When: the prompts are built from the turn ids as a worker builds them
+    first, between = kimi.encode_turns(CHAT)
+    assert len(between) == 2 and all(b[0] == kimi.eos_token_id for b in between)
+    ids = first + outputs[0] + between[0][1:] + outputs[1] + between[1][1:]
+    # Then: they are the template's rendering of the conversation with the generated answers
+    history = [dict(m) for m in CHAT]
+    history[2]["content"], history[4]["content"] = (f"<think></think>{g}" for g in generated)
+    assert ids == kimi.encode(history)
+    assert first == kimi.encode(CHAT[:2])
+
+
+def test_a_conversation_without_assistant_turns_is_one_turn(kimi: ChatEncoder) -> None:
+    assert kimi.encode_turns(CHAT[:2]) == (kimi.encode(CHAT[:2]), [])
+
+
+def test_a_conversation_that_starts_with_an_assistant_turn_is_refused(kimi: ChatEncoder) -> None:
+    with pytest.raises(ChatTemplateError):
+        kimi.encode_turns([{"role": "assistant", "content": "hi"}, *CHAT[1:2]])
+
+
+def test_task_messages_of_earlier_versions_are_single_turn() -> None:
+    old = {"dataset": "B1", "sample": "s1", "queue": "short", "prompt_file": "p", "offset": 0,
+           "prompt_tokens": 10, "max_new_tokens": 64, "epoch": 2}
+    job = Job.from_payload(old)
+    assert (job.turns, job.context_length, job.sample_cap) == (1, 0, 64)
+    multi = Job("B1", "s1", "short", "p", 0, 10, 64, 2, turns=3, context_length=500)
+    assert Job.from_payload(multi.payload()) == multi and multi.sample_cap == 192
+
+
+class FakeClient:
+    """Answers each turn with `length` ids ending in eos (2), or cut at max_new_tokens."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.calls: list[tuple[list[int], int, str]] = []
+
+    def generate(self, ids: list[int], params: dict[str, Any], rid: str,
+                 dataset: str | None = None) -> Generation:
+        self.calls.append((list(ids), params["max_new_tokens"], rid))
+        if self.length > params["max_new_tokens"]:
+            out, reason = [7] * params["max_new_tokens"], {"type": "length"}
+        else:
+            out, reason = [7] * (self.length - 1) + [2], {"type": "stop", "matched": 2}
+        return Generation(out, reason, len(ids), len(out), 0.1, "")
+
+
+def job_and_prompt(context_length: int, turns: int = 3) -> tuple[Job, Prompt]:
+    job = Job("B1", "s1", "short", "p", 0, 4, 10, turns=turns, context_length=context_length)
+    return job, Prompt("s1", "B1", [], [1, 5, 5, 6], [[2, 3, 6]] * (turns - 1))
+
+
+def test_each_turn_extends_the_previous_prompt_and_is_clamped_to_the_context() -> None:
+    client = FakeClient(length=5)
+    job, prompt = job_and_prompt(context_length=23)
+    result = generate_turns(client, job, prompt, "rid", {}, True, lambda: "ok")  # type: ignore[arg-type]
+    assert isinstance(result, Conversation)
+    (p1, m1, r1), (p2, m2, r2), (p3, m3, r3) = client.calls
+    assert (r1, r2, r3) == ("rid", "rid-1", "rid-2")
+    assert p2 == p1 + [7, 7, 7, 7, 2] + [3, 6]  # the close (eos) is written once
+    assert (len(p1), len(p2), len(p3)) == (4, 11, 18)
+    assert (m1, m2, m3) == (10, 10, 23 - 18 - 1)  # the last turn has 4 tokens of room left
+    assert [t["span"] for t in result.turns] == [[4, 9], [11, 16], [18, 22]]
+    gen = result.as_generation()
+    assert (gen.completion_tokens, gen.prompt_tokens) == (5 + 5 + 4, 22 - 14)
+    assert gen.truncated and result.prompt_ids == p3
+
+
+def test_a_truncated_turn_keeps_the_templates_close() -> None:
+    client = FakeClient(length=50)
+    job, prompt = job_and_prompt(context_length=0, turns=2)
+    generate_turns(client, job, prompt, "rid", {}, True, lambda: "ok")  # type: ignore[arg-type]
+    assert client.calls[1][0] == [1, 5, 5, 6] + [7] * 10 + [2, 3, 6]
+
+
+def test_no_room_left_or_a_refusal_stops_before_the_next_turn() -> None:
+    job, prompt = job_and_prompt(context_length=12)  # the second turn has no room
+    stop = generate_turns(FakeClient(5), job, prompt, "rid", {}, True, lambda: "ok")  # type: ignore[arg-type]
+    assert isinstance(stop, Stopped) and stop.reason == "context" and stop.tokens == 5
+    job, prompt = job_and_prompt(context_length=0)
+    stop = generate_turns(FakeClient(5), job, prompt, "rid", {}, True, lambda: "closed")  # type: ignore[arg-type]
+    assert isinstance(stop, Stopped) and (stop.reason, stop.tokens) == ("closed", 5)
+    stop = generate_turns(FakeClient(50), job, prompt, "rid", {}, False, lambda: "ok")  # type: ignore[arg-type]
+    assert isinstance(stop, Stopped) and stop.reason == "truncated"
+
+
+def test_fixture_folder_is_built_offline(tmp_path: Path) -> None:
+    assert (build_tiktoken_tokenizer(tmp_path / "t") / "tiktoken.model").stat().st_size > 0
