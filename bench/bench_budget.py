@@ -9,6 +9,7 @@ per second in the last 5% before the close against the steady state (20-80%).
 
     .venv/bin/python bench/bench_budget.py            # budget 2M, 150 workers, 3 rounds
     .venv/bin/python bench/bench_budget.py --datasets 4 --budget 300000   # sharing a server
+    .venv/bin/python bench/bench_budget.py --budget 15000 --rules precise,min16  # small budget
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds of (precise, naive)")
     p.add_argument("--margin-sd", type=float, default=None,
                    help="admission_margin_sd for the precise rule (default: the setting's)")
+    p.add_argument("--rules", default="precise,naive",
+                   help="comma list, run in this order each round: precise (the settings' "
+                        "rule), min16 (precise, the length model only after 16 responses: "
+                        "the rule before v3), naive")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "budget.json"))
     return p.parse_args()
 
@@ -98,7 +103,11 @@ def make_partition(root: Path, n: int, datasets: list[str]) -> Path:
     return root / "partition"
 
 
-def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Path,
+RULES = {"precise": {}, "min16": {"DATAGEN_ADMISSION_MIN_RESPONSES": "16"},
+         "naive": {"DATAGEN_PRECISE_ADMISSION": "False"}}
+
+
+def one_round(args: argparse.Namespace, rule: str, tmp: Path, tokenizer: Path,
               encoder: ChatEncoder) -> dict[str, Any]:
     logs = tmp / "logs"
     datasets = names(args.datasets)
@@ -108,17 +117,17 @@ def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Pat
             str(args.mean), "--sigma", str(args.sigma), "--decode-step-s",
             str(args.decode_step_s), "--prefill-tokens-per-s", "1000000", "--seed", "11",
             "--vocab-size", str(encoder.vocab_size), "--eos-token-id",
-            str(encoder.eos_token_id)], name=f"sim-{int(precise)}")
+            str(encoder.eos_token_id)], name=f"sim-{rule}")
         env = {"DATAGEN_REDIS_URL": srv.url, "DATAGEN_SERVER_URL": url,
                "DATAGEN_OUTPUT_DIR": str(tmp / "out"), "DATAGEN_TOKENIZER_PATH": str(tokenizer),
                "DATAGEN_DATA_DIR": str(make_partition(tmp, args.prompts, datasets)),
                "DATAGEN_TOKEN_BUDGET": str(args.budget),
                "DATAGEN_SHORT_CONCURRENCY": str(args.workers),
                "DATAGEN_SHORT_MAX_TOKENS": str(args.max_new_tokens),
-               "DATAGEN_PRECISE_ADMISSION": str(precise), "DATAGEN_LEASE_S": "10"}
+               "DATAGEN_LEASE_S": "10", **RULES[rule]}
         if args.margin_sd is not None:
             env["DATAGEN_ADMISSION_MARGIN_SD"] = str(args.margin_sd)
-        worker = start_worker("short", child_env(env), logs, name=f"bench{int(precise)}@%h")
+        worker = start_worker("short", child_env(env), logs, name=f"bench-{rule}@%h")
         try:
             wait_for_workers(srv.url, 1, procs=[worker])
             settings = load_settings(None, env=env)
@@ -134,7 +143,7 @@ def one_round(args: argparse.Namespace, precise: bool, tmp: Path, tokenizer: Pat
             # Celery task runs (each logs one "received"), per prompt enqueued: a sample
             # refused admission parks once; only woken ones run again.
             runs = worker.log_text().count("] received")
-            return {"rule": "precise" if precise else "naive", "datasets": len(datasets),
+            return {"rule": rule, "datasets": len(datasets),
                     "task_runs": runs, "prompts": args.prompts * len(datasets),
                     "task_runs_per_sample": runs / (args.prompts * len(datasets)),
                     "per_dataset": [_measure(args, ledger, timeline, sim_log, started, d)
@@ -165,11 +174,18 @@ def _measure(args: argparse.Namespace, ledger: Ledger, timeline: Timeline,
     generated = sum(int(e.get("completion_tokens") or 0) for e in finished)
     committed = snap["tokens"]
     samples = snap["stats"].get("samples", 0)
-    t95 = timeline.passed(dataset, 0.95 * args.budget, close_t)
+    # (The timeline samples every 50 ms: a close within one sample of 95% reads as 0.)
+    t95 = min(close_t, timeline.passed(dataset, 0.95 * args.budget, close_t))
     steady = timeline.command_rate(timeline.passed(dataset, 0.2 * args.budget, close_t),
                                    timeline.passed(dataset, 0.8 * args.budget, close_t))
     near = timeline.command_rate(t95, close_t)
     after = [e for e in starts if e["time"] > close_t]
+    # The most requests of the dataset the server ran at once (its log's starts and ends).
+    steps = sorted([(e["time"], 1) for e in starts] + [(e["time"], -1) for e in finished])
+    running = peak = 0
+    for _, step in steps:
+        running += step
+        peak = max(peak, running)
     return {
         "dataset": dataset, "budget": args.budget, "committed": committed,
         "overshoot_pct": 100.0 * (committed - args.budget) / args.budget,
@@ -180,7 +196,7 @@ def _measure(args: argparse.Namespace, ledger: Ledger, timeline: Timeline,
         "last_start_after_close_s": max((e["time"] for e in starts), default=close_t) - close_t,
         "from_95pct_to_close_s": close_t - t95,
         "commands_per_s_steady": steady, "commands_per_s_near_close": near,
-        "run_s": close_t - started,
+        "run_s": close_t - started, "peak_in_flight": peak,
     }
 
 
@@ -192,10 +208,10 @@ def main() -> int:
         tokenizer = build_tiny_tokenizer(tmp / "tok")
         encoder = ChatEncoder(tokenizer)
         for rnd in range(args.rounds):
-            for precise in (True, False):
-                sub = tmp / f"r{rnd}-{int(precise)}"
+            for rule in args.rules.split(","):
+                sub = tmp / f"r{rnd}-{rule}"
                 sub.mkdir()
-                results.append(one_round(args, precise, sub, tokenizer, encoder))
+                results.append(one_round(args, rule, sub, tokenizer, encoder))
                 print(_row(results[-1]), flush=True)
     print_table(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +224,7 @@ def main() -> int:
 
 COLUMNS = ("rule", "dataset", "committed", "overshoot_pct", "discarded_pct",
            "requests_after_close", "from_95pct_to_close_s", "commands_per_s_steady",
-           "commands_per_s_near_close", "run_s")
+           "commands_per_s_near_close", "run_s", "peak_in_flight")
 
 
 def _rows(result: dict[str, Any]) -> list[str]:
@@ -236,7 +252,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for r in results:
         for line in _rows(r):
             print(f"| {line} |")
-    for rule in ("precise", "naive"):
+    for rule in RULES:
         over = [d["overshoot_pct"] for r in results if r["rule"] == rule
                 for d in r["per_dataset"]]
         if over:

@@ -80,6 +80,8 @@ class Settings:
     precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
     # Higher lands closer to the budget from below, at the price of a slower finish.
     admission_margin_sd: float = 1.0  # reserve, in sd of what is in flight, at admission
+    # Until this many responses are known, each request in flight counts at its cap.
+    admission_min_responses: int = 1  # responses before the length model is used (16 until v3)
 
     # HTTP: every call carries both timeouts (the threads pool cannot kill a task).
     connect_timeout_s: float = 10.0  # connect timeout of every HTTP call
@@ -139,6 +141,9 @@ class Settings:
                 f"budget_counts: {self.budget_counts!r} is not one of {BUDGET_MEASURES}")
         if self.max_samples is not None and self.max_samples < 1:
             raise SettingsError(f"max_samples: {self.max_samples!r} must be >= 1")
+        if self.admission_min_responses < 1:
+            raise SettingsError(
+                f"admission_min_responses: {self.admission_min_responses!r} must be >= 1")
         if self.context_length is not None and self.context_length < 1:
             raise SettingsError(f"context_length: {self.context_length!r} must be >= 1")
         for name, budget in self.budgets.items():

@@ -106,6 +106,57 @@ def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
     assert all(p.alive() for p in stack.procs)
 
 
+def peak_running_before(log: list[dict[str, Any]], dataset: str, responses: int) -> int:
+    """The most requests of the dataset the server ran at once before its
+    ``responses``-th response finished (the simulator's own log)."""
+    events = sorted((e["time"], e["event"]) for e in log if e["dataset"] == dataset
+                    and e["event"] in ("start", "finish", "abort"))
+    running = peak = done = 0
+    for _, event in events:
+        if event == "start":
+            running += 1
+            peak = max(peak, running)
+        else:
+            running -= 1
+            done += 1
+            if done >= responses:
+                break
+    return peak
+
+
+@pytest.mark.parametrize("min_responses", [1, 16], ids=["model-early", "caps-until-16"])
+def test_a_small_budget_runs_many_requests_at_once_before_16_responses(
+        stack: Stack, min_responses: int) -> None:
+    # Given: a budget of 12,000 tokens (~120 responses of ~100) and a cap of 1,200: at the
+    # caps, at most 10 requests of the dataset fit in its budget at once
+    stack.start_simulator("--mean-output-tokens", "100", "--sigma", "0.3",
+                          "--decode-step-s", "0.01", "--max-running-requests", "64")
+    budget, cap = 12000, SHORT_MAX_TOKENS
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 300})),
+                               short_concurrency=24, short_max_tokens=cap,
+                               token_budget=budget, admission_min_responses=min_responses)
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: the dataset runs to its close
+    ledger = produce_and_wait(stack, settings)
+
+    # Then: with the length model from the first response, more requests ran at once
+    # before 16 responses were known than the caps allow (the rule before: at most 10) ...
+    peak = peak_running_before(stack.sim_log(), "B1", 16)
+    print(f"FIGURE peak in flight before 16 responses, min_responses={min_responses}: {peak}")
+    if min_responses == 1:
+        assert peak > budget // cap, peak
+    else:
+        assert peak <= budget // cap, peak
+    # ... and the dataset still stopped within the goal, with no request after the close
+    snap = ledger.snapshot("B1")
+    assert snap["closed"] == "budget"
+    assert 0 <= snap["tokens"] - budget <= allowed_overshoot(budget, 100, 0.3), snap
+    assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, "B1"))
+    assert starts_after_close(stack, ledger, "B1") == []
+
+
 def test_a_worker_that_joins_after_the_close_sends_nothing_for_that_dataset(
         stack: Stack) -> None:
     # Given: two datasets queued while no worker runs, and B1 closed by an operator then

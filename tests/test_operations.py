@@ -98,7 +98,8 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
 
     # ... and tasks refused admission (parked until a commit woke them) show as waiting:
     # with 300 tokens of budget and a cap of 200, a second request of B1 never fits beside
-    # a first one until the model knows its lengths
+    # a first one at their caps, nor once the model has seen one response of 100 (2/3 of its
+    # mass is still at the cap)
     def waiting() -> int:
         tasks = requests.get(f"{url}/api/tasks", params={"state": "WAITING"}, auth=auth,
                              timeout=20).json()

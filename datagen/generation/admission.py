@@ -4,6 +4,13 @@ A dataset's response lengths are learnt from its own completed responses, with t
 requests still in flight as censored observations (they are known to be longer than
 their progress so far), by Kaplan–Meier. Admission then needs, for an in-flight request
 at progress p, E[L | L > p] and Var[L | L > p]: the model is that table.
+
+The model exists from the first completed response on. Early it is safe because it is
+mostly prior: PSEUDO_CENSORED pseudo-observations censored at the longest length seen put
+at least 2/(n + 2) of the mass at the cap after n responses (67% after one, 11% after 16),
+and every request in flight is a censored observation at its progress, so the mass past
+the progress of the requests still running stays at the cap too. Admission also keeps the
+worst-case rule (every request at its cap) as a floor: whatever fits at the caps is admitted.
 """
 
 from __future__ import annotations
@@ -12,15 +19,16 @@ from typing import Any
 
 PRIOR_MEAN_TOKENS = 2048
 PRIOR_TOKENS_PER_S = 50.0
-MODEL_MIN_SAMPLES = 16
+# Responses before the model replaces the caps (admission_min_responses); 16 until v3.
+MODEL_MIN_SAMPLES = 1
 PSEUDO_CENSORED = 2
 MODEL_POINTS = 96
 TAIL_POINTS = 32
 
 
 def length_model(lengths: list[int], decoded: float, decode_s: float,
-                 censored: list[float] | None = None, cap: int | None = None
-                 ) -> dict[str, Any] | None:
+                 censored: list[float] | None = None, cap: int | None = None,
+                 min_samples: int = MODEL_MIN_SAMPLES) -> dict[str, Any] | None:
     """Table of E[L | L > t] for admission, learnt from the dataset's own responses.
 
     Completed lengths alone are biased short (short responses finish first), so
@@ -33,7 +41,7 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
     ``tail`` the mean excess past the last threshold, ``mean``/``var`` of L, ``rate``
     tokens per second of one request (turns elapsed time into progress).
     """
-    if len(lengths) < MODEL_MIN_SAMPLES:
+    if not lengths or len(lengths) < min_samples:
         return None
     # Two pseudo-observations censored at the longest length seen: a few dozen samples
     # cannot rule out longer responses, so part of the mass stays up to the cap. Their

@@ -244,7 +244,8 @@ class Ledger:
         rate = decode_rate(speeds, stats)
         model = length_model([int(x) for x in raw_lengths], rate or 0.0, 1.0 if rate else 0.0,
                              censored_progress(buckets, sec + usec / 1e6, rate),
-                             int(stats.get("cap", 0)) or None)
+                             int(stats.get("cap", 0)) or None,
+                             self.settings.admission_min_responses)
         if model is not None:
             self.r.set(self.k(dataset, keys.MODEL), json.dumps(model))
         return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from config.settings import Settings
-from datagen import status
+from datagen import keys, status
 from datagen.celery_app import make_app
 from datagen.generation import guard
 from datagen.generation.ledger import Ledger, connect, length_model
@@ -84,6 +85,43 @@ def test_admission_never_leaves_a_dataset_short_when_nothing_is_in_flight(
     ledger.commit("A", "s1", "r1", 5, 900, False, 1.0)
     # 100 tokens of room, a cap of 5,000: still admitted, since nothing else is running.
     assert ledger.admit("A", "s2", "r2", "w", 5, 5000).status == "ok"
+
+
+def test_admission_admits_whatever_fits_at_the_caps_whatever_the_model_says(
+        ledger: Ledger) -> None:
+    # Given: a length model that is mostly prior (its spread alone fills the budget of 1,000)
+    ledger.r.set(ledger.k("A", keys.MODEL), json.dumps(
+        {"t": [0, 100], "m": [100.0, 100.0], "v": [1e6, 1e6], "tail": 1.0, "mean": 100.0,
+         "var": 1e6, "rate": 50.0, "n": 1, "censored": 0}))
+    assert ledger.admit("A", "s1", "r1", "w", 5, 200).status == "ok"  # nothing in flight
+    # When/Then: four more fit even if every one of them runs to its cap of 200 ...
+    assert [ledger.admit("A", f"s{i}", f"r{i}", "w", 5, 200).status
+            for i in (2, 3, 4, 5)] == ["ok", "ok", "ok", "ok"]
+    # ... and the sixth would not: 6 x 200 > 1,000, and the model's sd says no either
+    assert ledger.admit("A", "s6", "r6", "w", 5, 200).status == "wait"
+
+
+def test_a_fresh_request_is_expected_at_most_at_its_own_cap(ledger: Ledger) -> None:
+    # Given: a model whose mean (5,000) comes from long responses, a budget of 1,000, and
+    # one request in flight with a cap of 10,000 that the model expects at 300
+    ledger.r.set(ledger.k("A", keys.MODEL), json.dumps(
+        {"t": [0], "m": [300.0], "v": [0.0], "tail": 1.0, "mean": 5000.0, "var": 0.0,
+         "rate": 1e-3, "n": 20, "censored": 0}))
+    assert ledger.admit("A", "s1", "r1", "w", 5, 10_000).status == "ok"
+    # Then: a request capped at 100 is reserved at 100, not at the model's 5,000
+    assert ledger.admit("A", "s2", "r2", "w", 5, 100).status == "ok"
+
+
+def test_the_length_model_starts_at_the_first_response_and_is_mostly_prior() -> None:
+    # One response of 300 and nothing in flight: the model exists, and 2 of the 3
+    # observations' mass (the pseudo-observations) sits at the cap.
+    model = length_model([300], 1.0, 1.0, cap=10240)
+    assert model is not None
+    assert model["mean"] == pytest.approx(300 / 3 + 2 * 10240 / 3, rel=1e-6)
+    # It gives way to the data as responses accumulate (2/(n + 2) of the mass at the cap).
+    many = length_model([300] * 98, 1.0, 1.0, cap=10240)
+    assert many is not None and many["mean"] == pytest.approx(0.98 * 300 + 0.02 * 10240)
+    assert length_model([300] * 15, 1.0, 1.0, cap=10240, min_samples=16) is None
 
 
 def test_release_only_drops_its_own_entry(ledger: Ledger) -> None:

@@ -49,7 +49,8 @@ end
 -- Admission's view of a dataset's requests in flight: E[what they will count] and its
 -- variance, from the (start, cap) buckets and the length model (t/m/v table, see
 -- admission.py). Until the model exists each request counts at its cap.
---   est = {expected, var, count, mean, rate, model}; var includes the next request's own.
+--   est = {expected, var, count, mean, rate, model, worst}; var includes the next request's
+--   own; worst is what they count at the most (every one at its cap).
 local function locate(t, p)
   local lo, hi = 1, #t
   while hi - lo > 1 do
@@ -77,7 +78,7 @@ local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mea
   if raw then model = cjson.decode(raw) end
   local rate, mean = prior_rate, prior_mean
   if model then rate, mean = model['rate'], model['mean'] end
-  local expected, var, count = 0, 0, 0
+  local expected, var, count, worst = 0, 0, 0, 0
   local flat = redis.call('HGETALL', buckets)
   for i = 1, #flat, 2 do
     local field = flat[i]
@@ -87,6 +88,7 @@ local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mea
       local start = tonumber(string.sub(field, 1, colon - 1))
       local cap = tonumber(string.sub(field, colon + 1))
       count = count + n
+      worst = worst + n * cap
       if precise and n > 0 then
         -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
         local p = math.min(math.max(0, now - start) * rate, cap)
@@ -96,22 +98,26 @@ local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mea
       end
     elseif total then
       expected = expected + tonumber(flat[i + 1])
+      worst = worst + tonumber(flat[i + 1])
     end
   end
   if model and model['var'] then var = var + model['var'] end
   return {expected = expected, var = var, count = count, mean = mean, rate = rate,
-          model = model}
+          model = model, worst = worst}
 end
 
 -- How many more requests fit now: room / E[one more] (the largest cap seen, until the
--- model exists), at most `most`; one when nothing is in flight (admission admits then).
+-- model exists), or as many as fit at their caps if that is more; at most `most`; one
+-- when nothing is in flight (admission admits then).
 local function fits(est, committed, budget, margin_sd, most, cap_seen)
   if est.count == 0 then return math.min(1, most) end
   local one = est.mean
   if not est.model then one = cap_seen end
   local room = budget - committed - est.expected - margin_sd * math.sqrt(est.var)
-  if room <= 0 then return 0 end
-  return math.max(0, math.min(most, math.floor(room / math.max(1, one))))
+  local n = 0
+  if room > 0 then n = math.floor(room / math.max(1, one)) end
+  local at_caps = math.floor((budget - committed - est.worst) / math.max(1, cap_seen))
+  return math.max(0, math.min(most, math.max(n, at_caps)))
 end
 
 -- After a commit or release: wake as many parked samples as fit in the budget now

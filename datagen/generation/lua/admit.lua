@@ -3,7 +3,10 @@
 --   committed + sum over in-flight of E[final size | size so far] + E[size of this one]
 --   + margin_sd * sd(of that sum) <= budget,
 -- and also whenever nothing is in flight and committed < budget, so a dataset never
--- stops short of its budget while prompts remain (it may end above by about one response).
+-- stops short of its budget while prompts remain (it may end above by about one response),
+-- and whenever the worst case fits: committed + every request in flight and this one at
+-- its cap <= budget (nothing admitted so can end past the budget; a small budget does not
+-- wait on an early length model that is mostly prior).
 -- In-flight requests are read as buckets of (start time, cap) with their counts, so the
 -- cost grows with the buckets (a few dozen per cap), not with the requests in flight.
 -- Time is Redis's (TIME), the same for every host.
@@ -49,12 +52,16 @@ local cap_here = tonumber(ARGV[7])
 local est = in_flight_estimate(KEYS[8], KEYS[7], now, tonumber(ARGV[10]), tonumber(ARGV[14]),
                                total, ARGV[9] == '1')
 local rate, model, expected = est.rate, est.model, est.expected
-local this_one = est.mean
+-- E[L] of a fresh request, at most its own cap (the model may come from larger caps).
+local this_one = math.min(est.mean, cap_here)
 if not model then this_one = cap_here end
 local margin = (tonumber(ARGV[11]) or 0) * math.sqrt(est.var)
 if total then this_one = this_one + tonumber(ARGV[6]) end
 
-if ARGV[9] == '1' and est.count > 0 and committed + expected + this_one + margin > budget then
+local at_caps = committed + est.worst + cap_here
+if total then at_caps = at_caps + tonumber(ARGV[6]) end
+if ARGV[9] == '1' and est.count > 0 and committed + expected + this_one + margin > budget
+    and at_caps > budget then
   redis.call('ZADD', KEYS[10], 'NX', now, sample)
   return {'wait', committed, math.floor(expected), 0}
 end
