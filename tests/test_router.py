@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 from conftest import Stack, wait_until, write_jsonl
-from test_budget import allowed_overshoot, close_times, produce_and_wait, records
+from test_budget import close_times, produce_and_wait, records
 
 from cli.stack import Process
 from datagen.client import Generation, SGLangClient, new_rid, rid_prefix
@@ -117,10 +117,13 @@ def test_through_the_router_each_server_keeps_its_limit_and_the_budget_stop_hold
     for server, seen in peaks.items():
         assert seen["requests_started"] > 0, (server, peaks)
         assert seen["peak_in_flight"] <= SERVER_LIMIT, (server, peaks)
-    # ... the dataset closed at its budget, within the goal, counted once per record
+    # ... the dataset closed at its budget, counted once per record, past it by no more than
+    # what was in flight at the close could add (each request at most its cap). How close to
+    # the budget it lands is test_budget.py's and bench_budget.py's subject; here the random
+    # lengths of 8 requests in flight at once decide it.
     snap = ledger.snapshot("B1")
     assert snap["closed"] == "budget"
-    assert 0 <= snap["tokens"] - budget <= allowed_overshoot(budget, 200, 0.8), snap
+    assert 0 <= snap["tokens"] - budget <= 2 * SERVER_LIMIT * 1200, snap
     assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, "B1"))
     assert snap["stats"]["samples"] < len(prompts)
     # ... and no request of it reached either server after the close
