@@ -179,6 +179,9 @@ def test_the_local_trial_runs_as_written(tmp_path: Path) -> None:
         records = list((tmp_path / "trial" / "out").rglob("raw_responses.jsonl"))
         assert records and any(p.stat().st_size for p in records)
         assert list((tmp_path / "trial" / "out" / "training" / "shards").glob("*.jsonl"))
+        states = tmp_path / "trial" / "out" / "training" / "hidden_states"
+        assert list(states.rglob("data_*.ckpt")) and (states / "vocab_mapping.pt").is_file()
+        assert "specforge train --config" in text
         flower = f"http://127.0.0.1:{ports['FLOWER_PORT']}"
         wait_until(lambda: _status(f"{flower}/healthcheck") == 200, 120, what="Flower")
         assert _status(f"{flower}/api/workers") == 401
