@@ -101,22 +101,21 @@ def effective_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> int:
 
 def mappings(counts: Counter, draft_vocab_size: int, target_vocab_size: int
              ) -> tuple[list[int], list[bool]]:
-    """(d2t, t2d) exactly as ``process_token_dict_to_mappings`` computes them."""
-    token_dict = Counter()
-    token_dict.update(counts)  # same insertion order
-    if len(token_dict) < draft_vocab_size:
-        existing_tokens = set(token_dict.keys())
-        # the same expression as SpecForge's: the same set, so the same iteration order
-        missing_tokens = set(range(draft_vocab_size)) - existing_tokens
-        for token in missing_tokens:
-            token_dict[token] = 0
-            if len(token_dict) >= draft_vocab_size:
-                break
-    used = sorted(key for key, _ in token_dict.most_common(draft_vocab_size))
-    used_set = set(used)
-    d2t = [used[i] - i for i in range(len(used))]
-    t2d = [i in used_set for i in range(target_vocab_size)]
-    return d2t, t2d
+    """(d2t, t2d) by SpecForge's rule (``process_token_dict_to_mappings`` at a6b6b02).
+
+    The draft vocabulary is the ``draft_vocab_size`` most counted ids, ties going to the id
+    counted first (``counts``' insertion order). When fewer ids were seen, SpecForge tops the
+    list up with ids of ``range(draft_vocab_size)`` never seen, at count 0, in the order a
+    Python set of them iterates (not always ascending: a set orders ints by hash slot), so the
+    same set is built here. ``d2t[i]`` is the offset from draft id i to its target id."""
+    ranked = sorted(counts, key=lambda token: -counts[token])  # stable: first counted first
+    if len(ranked) < draft_vocab_size:
+        unseen = set(range(draft_vocab_size)) - set(counts)
+        ranked += list(unseen)[:draft_vocab_size - len(ranked)]
+    chosen = sorted(ranked[:draft_vocab_size])
+    members = set(chosen)
+    return ([target - draft for draft, target in enumerate(chosen)],
+            [token in members for token in range(target_vocab_size)])
 
 
 def coverage(counts: Counter, d2t: Sequence[int]) -> float:

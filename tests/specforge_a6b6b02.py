@@ -1,12 +1,12 @@
-"""What the handoff is checked against: SpecForge's own code and interface at commit a6b6b02
-(github.com/sgl-project/SpecForge, Apache-2.0), copied here so the tests need no checkout.
+"""What the handoff is checked against: SpecForge's behaviour and interface at commit a6b6b02
+(github.com/sgl-project/SpecForge), written down here in this project's own code so the tests
+need no checkout.
 
-- ``reference_counts`` follows ``specforge/training/vocab_mapping.py``
-  ``count_effective_feature_tokens`` (the offline path: sorted feature files, counts of
-  ``input_ids[:max_length][loss_mask]``), reading files the way its reader lists them
-  (``offline_reader.list_feature_files``: ``.ckpt``/``.ckpt.gz``, absolute paths, sorted);
-- ``reference_mappings`` is ``specforge/data/preprocessing.py``
-  ``process_token_dict_to_mappings`` with its prints removed;
+- ``reference_counts``: what ``specforge/training/vocab_mapping.py``
+  ``count_effective_feature_tokens`` counts on the offline path (loss-masked ids of the first
+  ``max_length`` positions of every ``.ckpt``/``.ckpt.gz`` file, files in sorted order);
+- ``reference_mappings``: the rule of ``specforge/data/preprocessing.py``
+  ``process_token_dict_to_mappings``, computed another way than ``datagen/vocab_mapping.py``;
 - ``TRAIN_FLAGS`` are the options of ``specforge train`` (``specforge/cli.py``);
 - ``SCHEMA_FIELDS`` are the fields of the run-config sections the handoff writes
   (``specforge/config/schema.py``; every model has ``extra="forbid"``).
@@ -49,45 +49,41 @@ SCHEMA_FIELDS = {
 
 
 def list_feature_files(path: str) -> list[str]:
-    files = []
-    for root, _dirs, names in os.walk(path):
-        for name in names:
-            if name.endswith(FEATURE_SUFFIXES):
-                files.append(os.path.abspath(os.path.join(root, name)))
-    files.sort()
-    return files
+    """The files SpecForge's offline reader trains on: every ``.ckpt``/``.ckpt.gz`` below
+    ``path``, as absolute paths in sorted order."""
+    found = (os.path.abspath(os.path.join(root, name))
+             for root, _dirs, names in os.walk(path) for name in names
+             if name.endswith(FEATURE_SUFFIXES))
+    return sorted(found)
 
 
 def reference_counts(hidden_states_path: str, max_length: int | None = None) -> Counter:
+    """Loss-masked token counts over the files, the first ``max_length`` positions of each,
+    walked in SpecForge's order; within a file ids are added ascending (as ``unique`` gives
+    them), which fixes the order ties are broken in."""
     counts: Counter = Counter()
     for path in list_feature_files(hidden_states_path):
-        raw = torch.load(path, weights_only=True)
-        input_ids = raw["input_ids"].reshape(-1)
-        loss_mask = raw["loss_mask"].reshape(-1)
-        if max_length is not None:
-            input_ids = input_ids[:max_length]
-            loss_mask = loss_mask[:max_length]
-        selected = input_ids[loss_mask.to(dtype=bool)]
-        if selected.numel() == 0:
-            continue
-        token_ids, frequencies = selected.unique(return_counts=True)
-        for token_id, frequency in zip(token_ids.tolist(), frequencies.tolist(), strict=True):
-            counts[int(token_id)] += int(frequency)
+        tensors = torch.load(path, weights_only=True)
+        ids = tensors["input_ids"].reshape(-1).tolist()[:max_length]
+        mask = tensors["loss_mask"].reshape(-1).tolist()[:max_length]
+        in_file = Counter(token for token, keep in zip(ids, mask, strict=True) if keep)
+        for token in sorted(in_file):
+            counts[token] += in_file[token]
     return counts
 
 
 def reference_mappings(token_dict: Counter, draft_vocab_size: int, target_vocab_size: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    if len(token_dict) < draft_vocab_size:
-        existing_tokens = set(token_dict.keys())
-        missing_tokens = set(range(draft_vocab_size)) - existing_tokens
-        for token in missing_tokens:
-            token_dict[token] = 0
-            if len(token_dict) >= draft_vocab_size:
-                break
-    top_N = token_dict.most_common(draft_vocab_size)  # noqa: N806 (SpecForge's name)
-    used_tokens = [key for key, freq in top_N]
-    used_tokens.sort()
-    d2t = [used_tokens[i] - i for i in range(len(used_tokens))]
-    t2d = [i in used_tokens for i in range(target_vocab_size)]
-    return torch.tensor(d2t), torch.tensor(t2d)
+    """The rule spelled out another way: rank by (count, first seen), top up a short list with
+    unseen ids at count 0 in the iteration order of the set SpecForge builds, keep the top
+    ``draft_vocab_size``, sort ascending."""
+    first_seen = {token: n for n, token in enumerate(token_dict)}
+    table = [(-count, first_seen[token], token) for token, count in token_dict.items()]
+    if len(table) < draft_vocab_size:
+        fill = set(range(draft_vocab_size)).difference(token_dict)
+        table += [(0, len(first_seen) + n, token) for n, token in enumerate(fill)]
+    kept = sorted(token for _, _, token in sorted(table)[:draft_vocab_size])
+    d2t = torch.tensor([token - n for n, token in enumerate(kept)])
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d
