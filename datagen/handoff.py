@@ -79,15 +79,6 @@ class LengthCount:
         return kept
 
 
-def length_counts(samples: Iterable[tuple[str, int, int]], max_length: int, overlong: str
-                  ) -> dict[str, LengthCount]:
-    """Per dataset, for (dataset, prompt tokens, prompt + response tokens) of every sample."""
-    out: dict[str, LengthCount] = {}
-    for dataset, n_prompt, n_total in samples:
-        out.setdefault(dataset, LengthCount()).add(n_prompt, n_total, max_length, overlong)
-    return out
-
-
 def loss_mask(n_prompt: int, length: int, spans: Spans = ()) -> list[int]:
     """1 on the generated tokens (each span's, or all after the prompt), cut at ``length``."""
     mask = [0] * length

@@ -26,15 +26,22 @@ import json
 import logging
 import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TextIO
 
 from config.settings import Settings
 from datagen import handoff
 from datagen.errors import PermanentError
 from datagen.generation.merge import datasets_on_disk, merge_dataset
-from datagen.generation.records import is_current, loss_spans, merged_path, write_atomic
+from datagen.generation.records import (
+    atomic_file,
+    is_current,
+    loss_spans,
+    merged_path,
+    write_atomic,
+)
 from datagen.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -128,21 +135,41 @@ def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None
     folder = training_dir(out)
     _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
     tset.directory = str(folder)
-    tset.lengths = handoff.length_counts(
-        ((e.dataset, e.prompt_tokens, e.prompt_tokens + e.output_tokens) for e in order),
-        settings.train_max_length, settings.extract_overlong)
-    with _Reader(out) as reader:
-        tset.shards = _write_shards(out, order, settings.shard_samples, reader)
-        rows = folder / handoff.ONLINE_ROWS_NAME
-        write_atomic(rows, (line for e in order if (line := _online_row(reader.read(e),
-                                                                          settings))))
-        tset.online_rows = str(rows)
-        if decode is not None:
-            path = folder / CONVERSATIONS_NAME
-            write_atomic(path, (_conversation_line(reader.read(e), decode) for e in order))
-            tset.conversations = str(path)
+    rows_path, conversations_path = folder / handoff.ONLINE_ROWS_NAME, folder / CONVERSATIONS_NAME
+    # One read of each record writes its shard line, its online row and its conversation, and
+    # counts what the length rule does to it.
+    with (_Reader(out) as reader, atomic_file(rows_path) as rows,
+          atomic_file(conversations_path) if decode else nullcontext() as conversations):
+        besides = _Besides(settings, tset.lengths, rows, conversations, decode)
+        tset.shards = _write_shards(out, order, settings.shard_samples, reader, besides)
+    tset.online_rows = str(rows_path)
+    if decode is not None:
+        tset.conversations = str(conversations_path)
     _write_manifest(folder, tset, settings)
     return tset
+
+
+@dataclass
+class _Besides:
+    """What a record gives besides its shard line, from the same read: the length rule's
+    count, the online row and the conversation (with a decoder)."""
+
+    settings: Settings
+    lengths: dict[str, handoff.LengthCount]
+    rows: TextIO
+    conversations: TextIO | None
+    decode: Decode | None
+
+    def __call__(self, entry: Entry, record: dict[str, Any]) -> None:
+        limit, overlong = self.settings.train_max_length, self.settings.extract_overlong
+        spans = tuple(tuple(span) for span in loss_spans(record) or ())
+        self.lengths.setdefault(entry.dataset, handoff.LengthCount()).add(
+            entry.prompt_tokens, entry.prompt_tokens + entry.output_tokens, limit, overlong,
+            spans)
+        if row := handoff.online_row(record, limit, overlong, spans):
+            self.rows.write(row)
+        if self.conversations is not None and self.decode is not None:
+            self.conversations.write(_conversation_line(record, self.decode))
 
 
 def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | None]
@@ -180,12 +207,6 @@ def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
             if raw.strip():
                 yield offset, (json.loads(raw), hashlib.sha256(raw).hexdigest())
             offset += len(raw)
-
-
-def _online_row(record: dict[str, Any], settings: Settings) -> str | None:
-    spans = tuple(tuple(span) for span in loss_spans(record) or ())
-    return handoff.online_row(record, settings.train_max_length, settings.extract_overlong,
-                              spans)
 
 
 def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
@@ -256,15 +277,16 @@ class _Reader:
             fh.close()
 
 
-def _write_shards(out: Path, order: list[Entry], per_shard: int,
-                  reader: _Reader) -> list[dict[str, Any]]:
+def _write_shards(out: Path, order: list[Entry], per_shard: int, reader: _Reader,
+                  besides: Callable[[Entry, dict[str, Any]], None]) -> list[dict[str, Any]]:
     shards = []
     progress = Progress("prepare: shards", len(order), "samples")
     for number, start in enumerate(range(0, len(order), per_shard)):
         chunk = order[start:start + per_shard]
         rel = shard_relpath(number)
         digest = hashlib.sha256()
-        lines = (_shard_line(start + i, reader.read(e), digest) for i, e in enumerate(chunk))
+        lines = (_shard_line(start + i, _read(reader, e, besides), digest)
+                 for i, e in enumerate(chunk))
         write_atomic(out / rel, lines)
         shards.append({"path": rel, "first_idx": start, "samples": len(chunk),
                        "tokens": sum(e.prompt_tokens + e.output_tokens for e in chunk),
@@ -276,6 +298,13 @@ def _write_shards(out: Path, order: list[Entry], per_shard: int,
         if stale.name not in keep:  # a previous, larger training set
             stale.unlink()
     return shards
+
+
+def _read(reader: _Reader, entry: Entry, besides: Callable[[Entry, dict[str, Any]], None]
+          ) -> dict[str, Any]:
+    record = reader.read(entry)
+    besides(entry, record)
+    return record
 
 
 def _shard_line(idx: int, record: dict[str, Any], digest: Any) -> str:

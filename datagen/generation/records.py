@@ -18,9 +18,10 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 from datagen.errors import StorageError
 
@@ -229,16 +230,24 @@ def _rid_order(rid: Any) -> str:
     return "" if rid is None else str(rid)
 
 
-def write_atomic(path: Path, lines: Iterator[str]) -> int:
-    """Write lines to a temporary file, fsync and rename: readers see all or nothing."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[TextIO]:
+    """A text file written under a temporary name, fsynced and renamed to ``path`` when the
+    block ends without an error: readers see all of it or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    count = 0
     with open(tmp, "w", encoding="utf-8") as fh:
-        for line in lines:
-            fh.write(line)
-            count += 1
+        yield fh
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def write_atomic(path: Path, lines: Iterator[str]) -> int:
+    """Write lines to ``path`` atomically (``atomic_file``); returns how many."""
+    count = 0
+    with atomic_file(path) as fh:
+        for line in lines:
+            fh.write(line)
+            count += 1
     return count

@@ -169,3 +169,21 @@ def test_shards_of_a_larger_previous_set_are_removed(tmp_path):
     prepare(settings_for(out), {}, None)
     prepare(settings_for(out, shard_samples=100), {}, None)
     assert [p.name for p in (training_dir(out) / "shards").iterdir()] == ["shard_00000.jsonl"]
+
+
+def test_the_length_report_agrees_with_the_online_rows_for_several_turns(tmp_path):
+    # Given: two generated turns; the last turn's prompt (which holds the first turn) is
+    # longer than train_max_length, but the first turn's output lies inside it
+    prompt = [1, 3, 4, 20, 21, 22, 23, 2, 5, 6]  # user, turn 1 output at 3..7, user
+    output = [30, 31, 32, 2]
+    multi = record("B1", "B1-multi", prompt, output,
+                   turns=[{"span": [3, 8]}, {"span": [10, 14]}])
+    write_records(tmp_path, "B1", [multi, *some_records(3)])
+    tset = prepare(settings_for(tmp_path, train_max_length=9), {"B1": None}, None)
+    # Then: the report keeps it (cut), as the online rows do: nothing is counted as dropped
+    # that the files and rows keep
+    rows = [json.loads(x) for x in (training_dir(tmp_path) / "specforge_prompts.jsonl")
+            .read_text().splitlines()]
+    kept = next(r for r in rows if r["id"] == "B1-multi")
+    assert len(kept["input_ids"]) == 9 and sum(kept["loss_mask"]) == 5
+    assert tset.lengths["B1"].dropped == 0 and tset.lengths["B1"].cut == 1
