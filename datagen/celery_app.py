@@ -14,6 +14,7 @@ from celery import Celery
 from kombu import Queue
 
 from config.settings import Settings, load_settings
+from datagen.broker import TRANSPORT
 
 GENERATE_TASK = "datagen.generate"
 EXTRACT_TASK = "datagen.extract"
@@ -23,6 +24,9 @@ QUEUES = ("short", "long", "gpu")
 def celery_config(settings: Settings) -> dict[str, object]:
     return {
         "broker_url": settings.redis_url,
+        # kombu's Redis transport less a client per call and the generation queues'
+        # unacked bookkeeping (datagen/broker.py says why and what it measured).
+        "broker_transport": TRANSPORT,
         "broker_connection_retry_on_startup": True,
         # Early ack + no prefetch: each message runs once (DESIGN.md, facts); work lost
         # when a worker dies is found through the ledger's in-flight leases.
@@ -46,7 +50,8 @@ def celery_config(settings: Settings) -> dict[str, object]:
 
 
 def make_app(settings: Settings) -> Celery:
-    app = Celery("datagen", set_as_current=False)
+    app = Celery("datagen", set_as_current=False, amqp="datagen.broker:NoAckAMQP",
+                 events="datagen.broker:Events")
     app.conf.update(celery_config(settings))
     app.conf.datagen_settings = settings
     return app

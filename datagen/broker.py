@@ -1,0 +1,141 @@
+"""The Redis transport every process of a run uses: kombu's, with three costs taken out.
+
+A py-spy profile of the short worker (150 threads, a simulator at 2 ms per decode step)
+put ~70% of the time it held the GIL in Celery's consumer thread, and most of that here:
+
+- building a new ``redis.Redis`` (and its table of response callbacks) for every publish,
+  event flush, unacked-index write and ack, ~19% of the samples: kombu's
+  ``Channel.conn_or_acquire`` makes a client per call. Here a channel keeps one client on
+  its connection pool (redis-py clients are safe to share between threads: each command
+  takes a connection from the pool, each pipeline is its own object).
+- the unacked bookkeeping of each delivery, ~30%: a pipeline writes the message into
+  kombu's ``unacked`` hash and index, another removes it at the ack. The generation
+  queues' tasks are acked as they start anyway (early ack, DESIGN.md), and work lost with
+  a worker comes back through the ledger's leases and the sweep, not through kombu's
+  restore (which waits out the 12 h visibility timeout). So their consumer takes messages
+  with ``no_ack`` (``NoAckAMQP``): a message leaves Redis with its BRPOP rather than at
+  the early ack microseconds later. A worker killed in between loses the message as it
+  did before; its sample stays pending in the ledger and the sweep sends it again.
+- publishing task events, ~29% once the two above were gone: Celery buffers a worker's
+  task events and flushes them at the next turn of its event loop, so at a few hundred
+  tasks a second nearly every event went out as a message of its own.
+  ``EventDispatcher`` publishes at most every ``EVENT_FLUSH_S`` (or at Celery's limit of
+  24 buffered): Flower sees an event up to 0.1 s later, batched with its neighbours.
+
+Measured (BENCHMARKS.md, "The queue's own cost on a fast server"): worker CPU per 1,000
+samples 3.25-3.40 s before, 2.46-2.54 s after; Redis round trips per generated sample for
+every client together 8.2 before, 3.7 after.
+
+The gpu queue keeps kombu's acks (its consumer is a prefork parent that hands the message
+to a child).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cached_property
+from time import monotonic
+from typing import Any
+
+import redis
+from celery.app.amqp import AMQP
+from celery.app.events import Events as CeleryEvents
+from celery.events import dispatcher
+from kombu.asynchronous import get_event_loop
+from kombu.transport import redis as kombu_redis
+
+# Queues whose tasks are consumed without kombu's unacked bookkeeping.
+NO_ACK_QUEUES = frozenset({"short", "long"})
+TRANSPORT = "datagen.broker:Transport"
+EVENT_FLUSH_S = 0.1
+
+
+class Channel(kombu_redis.Channel):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # kombu's own mark for consumers whose messages need no ack (Message.ack skips
+        # them); the virtual transports leave it None.
+        self.no_ack_consumers: set[str] = set()
+
+    @cached_property
+    def _shared_client(self) -> redis.Redis:
+        return self._create_client()
+
+    @contextmanager
+    def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
+        yield client or self._shared_client
+
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str,
+                      **kwargs: Any) -> Any:
+        if no_ack:
+            self.no_ack_consumers.add(consumer_tag)
+
+            def tagged(message: Any) -> Any:
+                message.delivery_info["consumer_tag"] = consumer_tag
+                return callback(message)
+            return super().basic_consume(queue, no_ack, tagged, consumer_tag, **kwargs)
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        self.no_ack_consumers.discard(consumer_tag)
+        return super().basic_cancel(consumer_tag)
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+
+class NoAckAMQP(AMQP):
+    """Celery's AMQP helpers, consuming the generation queues with ``no_ack``."""
+
+    def TaskConsumer(self, channel: Any, queues: Any = None, accept: Any = None,  # noqa: N802
+                     **kw: Any) -> Any:
+        chosen = queues or list(self.queues.consume_from.values())
+        if chosen and {queue.name for queue in chosen} <= NO_ACK_QUEUES:
+            kw.setdefault("no_ack", True)
+        return super().TaskConsumer(channel, queues=chosen, accept=accept, **kw)
+
+
+class EventDispatcher(dispatcher.EventDispatcher):
+    """Celery's, publishing buffered task events at most every EVENT_FLUSH_S.
+
+    Celery's own callback for a buffered event is ``hub.call_soon(flush)``, which also
+    wakes the worker's event loop when a task thread sends one. That wake is what lets a
+    worker with ``worker_disable_prefetch`` take its next message as soon as a task ends
+    (nothing else wakes the loop then; without it the next BRPOP waits for a timer), so
+    it is kept: every event still wakes the loop, but the loop publishes only when the
+    last publish is EVENT_FLUSH_S old, and a timer sends what is left.
+    """
+
+    def __init__(self, *args: Any, on_send_buffered: Any = None, **kwargs: Any) -> None:
+        self._last_flush = 0.0
+        self._flush_due = False
+        # Celery passes a callback only where it buffers (a worker with an event loop).
+        soon = self._wake if on_send_buffered is not None else None
+        super().__init__(*args, on_send_buffered=soon, **kwargs)
+
+    def _wake(self) -> None:
+        hub = get_event_loop()
+        if hub is None:
+            self.flush()
+        else:
+            hub.call_soon(self._flush_if_due)
+
+    def _flush_if_due(self) -> None:
+        """In the event loop's thread."""
+        wait = self._last_flush + EVENT_FLUSH_S - monotonic()
+        if wait <= 0:
+            self._flush_now()
+        elif not self._flush_due:
+            self._flush_due = True
+            get_event_loop().call_later(wait, self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush_due = False
+        self._last_flush = monotonic()
+        self.flush()
+
+
+class Events(CeleryEvents):
+    dispatcher_cls = "datagen.broker:EventDispatcher"

@@ -1,0 +1,119 @@
+"""The run's Redis transport (datagen/broker.py), against a real Redis and a real worker."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import redis
+from conftest import Stack, wait_until, write_jsonl
+from kombu import Queue
+
+from config.settings import load_settings
+from datagen import broker
+from datagen.celery_app import GENERATE_TASK, make_app
+from producers.producer import Producer
+
+
+def _app(redis_url: str) -> Any:
+    return make_app(load_settings(None, env={"DATAGEN_REDIS_URL": redis_url}))
+
+
+def _take_one(app: Any, queue: str, r: redis.Redis) -> dict[str, Any]:
+    """Consume one message of ``queue`` the way a worker does; note kombu's unacked hash
+    while the message is held and after its ack."""
+    seen: dict[str, Any] = {}
+    with app.connection_for_read() as conn:
+        def on_message(body: Any, message: Any) -> None:
+            seen["held"] = r.hlen("unacked")
+            message.ack()
+            seen["after_ack"] = r.hlen("unacked")
+        consumer = app.amqp.TaskConsumer(conn, queues=[Queue(queue)], callbacks=[on_message])
+        seen["no_ack"] = bool(consumer.no_ack)
+        with consumer:
+            conn.drain_events(timeout=10)
+    return seen
+
+
+def test_generation_queues_skip_the_unacked_bookkeeping_and_gpu_keeps_it(redis_url: str
+                                                                        ) -> None:
+    app = _app(redis_url)
+    r = redis.Redis.from_url(redis_url)
+    for queue in ("short", "gpu"):
+        app.send_task(GENERATE_TASK, kwargs={"n": 1}, queue=queue)
+    # short: taken with no_ack, so nothing is written to kombu's unacked hash, and the
+    # worker's ack (Celery acks early) is a no-op rather than a second pipeline.
+    assert _take_one(app, "short", r) == {"no_ack": True, "held": 0, "after_ack": 0}
+    # gpu: kombu's acks as before: held in `unacked` until acked.
+    assert _take_one(app, "gpu", r) == {"no_ack": False, "held": 1, "after_ack": 0}
+    assert r.llen("short") == r.llen("gpu") == 0
+    app.close()
+
+
+def test_a_channel_keeps_one_redis_client(redis_url: str, monkeypatch: Any) -> None:
+    app = _app(redis_url)
+    made = []
+    original = redis.Redis.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(1)
+        original(self, *args, **kwargs)
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        assert isinstance(channel, broker.Channel)
+        with channel.conn_or_acquire() as a, channel.conn_or_acquire() as b:
+            assert a is b
+        producer = app.amqp.Producer(conn)
+        app.send_task(GENERATE_TASK, kwargs={"n": 0}, queue="short", producer=producer)
+        monkeypatch.setattr(redis.Redis, "__init__", counting)
+        for i in range(50):
+            app.send_task(GENERATE_TASK, kwargs={"n": i}, queue="short", producer=producer)
+    monkeypatch.undo()
+    # kombu's own channel builds a redis.Redis for every publish (50 here).
+    assert len(made) == 0
+    assert redis.Redis.from_url(redis_url).llen("short") == 51
+    app.close()
+
+
+def test_a_worker_sends_every_task_event_in_a_few_messages(stack: Stack) -> None:
+    # Given: a worker and a receiver of its events (what Flower runs)
+    stack.start_simulator("--lengths", "fixed:20", "--decode-step-s", "0.001")
+    samples = 40
+    write_jsonl(stack.tmp / "partition" / "E1.jsonl",
+                [{"id": f"e{i}", "prompt": f"Event {i}"} for i in range(samples)])
+    settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=8,
+                               short_max_tokens=32)
+    stack.worker("short")
+    stack.wait_workers(1)
+    app = stack.app()
+    events: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def count(event: dict[str, Any]) -> None:
+        with lock:
+            events[event["type"]] = events.get(event["type"], 0) + 1
+    conn = app.connection_for_read()
+    receiver = app.events.Receiver(conn, handlers={"*": count})
+    listening = threading.Thread(target=lambda: receiver.capture(limit=None, wakeup=False),
+                                 daemon=True)
+    listening.start()
+    r = redis.Redis.from_url(stack.redis_url)
+
+    def publishes() -> int:
+        return int(r.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+    before = publishes()
+
+    # When: the run's tasks go through the worker
+    Producer(settings, app, stack.ledger()).run()
+    wait_until(lambda: events.get("task-succeeded", 0) >= samples, 60)
+
+    # Then: the receiver saw each task's received, started and succeeded events, though
+    # the worker published them in far fewer messages than tasks (Celery's own flush,
+    # once per turn of the event loop, sent ~2.6 messages per task at this rate)
+    receiver.should_stop = True
+    assert events["task-received"] == events["task-started"] == samples
+    assert events["task-succeeded"] == samples
+    sent = publishes() - before
+    assert sent < samples / 2, f"{sent} PUBLISH for {samples} tasks"
+    conn.release()
+    app.close()
