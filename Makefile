@@ -7,6 +7,9 @@ DATAGEN := $(PY) -m cli.main
 CONFIG ?=
 CFG := $(if $(CONFIG),--config $(CONFIG),)
 PYTEST_ARGS ?=
+# Tests run in this many processes (pytest-xdist): most of a test's time is spent waiting on
+# the real workers, servers and Redis it starts, so two share two cores well. 0: one process.
+TEST_JOBS ?= 2
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 UV ?= uv==0.13.9
@@ -49,7 +52,7 @@ system-redis:
 	fi
 
 test: install system-redis ## run the whole test suite (starts its own Redis, simulator and workers)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 lint: install ## ruff on everything
 	$(PY) -m ruff check .

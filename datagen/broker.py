@@ -43,11 +43,13 @@ from celery.app.amqp import AMQP
 from celery.app.events import Events as CeleryEvents
 from celery.events import dispatcher
 from kombu.asynchronous import get_event_loop
+from kombu import transport as kombu_transport
 from kombu.transport import redis as kombu_redis
 
 # Queues whose tasks are consumed without kombu's unacked bookkeeping.
 NO_ACK_QUEUES = frozenset({"short", "long"})
 TRANSPORT = "datagen.broker:Transport"
+SCHEMES = ("redis", "rediss")
 EVENT_FLUSH_S = 0.1
 
 
@@ -84,6 +86,18 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+def install() -> None:
+    """Resolve kombu's ``redis://`` and ``rediss://`` to this transport in this process.
+
+    Through the scheme rather than Celery's ``broker_transport`` setting, so URLs keep
+    their scheme everywhere kombu prints or parses one (Flower picks its broker client by
+    the scheme of ``as_uri()``; ``rediss`` keeps its TLS handling).
+    """
+    for scheme in SCHEMES:
+        kombu_transport.TRANSPORT_ALIASES[scheme] = TRANSPORT
+        kombu_transport._transport_cache.pop(scheme, None)
 
 
 class NoAckAMQP(AMQP):

@@ -14,7 +14,7 @@ from celery import Celery
 from kombu import Queue
 
 from config.settings import Settings, load_settings
-from datagen.broker import TRANSPORT
+from datagen import broker
 
 GENERATE_TASK = "datagen.generate"
 EXTRACT_TASK = "datagen.extract"
@@ -24,9 +24,6 @@ QUEUES = ("short", "long", "gpu")
 def celery_config(settings: Settings) -> dict[str, object]:
     return {
         "broker_url": settings.redis_url,
-        # kombu's Redis transport less a client per call and the generation queues'
-        # unacked bookkeeping (datagen/broker.py says why and what it measured).
-        "broker_transport": TRANSPORT,
         "broker_connection_retry_on_startup": True,
         # Early ack + no prefetch: each message runs once (DESIGN.md, facts); work lost
         # when a worker dies is found through the ledger's in-flight leases.
@@ -50,6 +47,9 @@ def celery_config(settings: Settings) -> dict[str, object]:
 
 
 def make_app(settings: Settings) -> Celery:
+    # kombu's Redis transport less a client per call and the generation queues' unacked
+    # bookkeeping, Celery's events in batches (datagen/broker.py says why, and what it saves).
+    broker.install()
     app = Celery("datagen", set_as_current=False, amqp="datagen.broker:NoAckAMQP",
                  events="datagen.broker:Events")
     app.conf.update(celery_config(settings))

@@ -7,7 +7,7 @@ from typing import Any
 
 import redis
 from conftest import Stack, wait_until, write_jsonl
-from kombu import Queue
+from kombu import Connection, Queue
 
 from config.settings import load_settings
 from datagen import broker
@@ -59,6 +59,8 @@ def test_a_channel_keeps_one_redis_client(redis_url: str, monkeypatch: Any) -> N
         made.append(1)
         original(self, *args, **kwargs)
     with app.connection_for_write() as conn:
+        # the URL keeps its scheme (Flower picks its broker client by it)
+        assert conn.as_uri().startswith("redis://")
         channel = conn.default_channel
         assert isinstance(channel, broker.Channel)
         with channel.conn_or_acquire() as a, channel.conn_or_acquire() as b:
@@ -73,6 +75,14 @@ def test_a_channel_keeps_one_redis_client(redis_url: str, monkeypatch: Any) -> N
     assert len(made) == 0
     assert redis.Redis.from_url(redis_url).llen("short") == 51
     app.close()
+
+
+def test_both_redis_schemes_resolve_to_this_transport(redis_url: str) -> None:
+    _app(redis_url)
+    for url in ("redis://localhost:6379/0", "rediss://localhost:6380/0?ssl_cert_reqs=required"):
+        conn = Connection(url)
+        assert isinstance(conn.transport, broker.Transport), url
+        assert conn.as_uri().split("://")[0] == url.split("://")[0]
 
 
 def test_a_worker_sends_every_task_event_in_a_few_messages(stack: Stack) -> None:
