@@ -614,7 +614,7 @@ def code_digests() -> dict[str, str]:
         "producers/producer.py", "datagen/generation/guard.py", "datagen/celery_app.py",
         "datagen/generation/job.py",
         "datagen/generation/ledger.py", "datagen/generation/runner.py", "datagen/client.py",
-        "datagen/generation/records.py", "workers/generate.py")}
+        "datagen/generation/records.py", "workers/generate.py", "datagen/broker.py")}
 
 
 def machine(load_at_start: list[float]) -> dict[str, Any]:

@@ -42,8 +42,8 @@ import redis
 from celery.app.amqp import AMQP
 from celery.app.events import Events as CeleryEvents
 from celery.events import dispatcher
-from kombu.asynchronous import get_event_loop
 from kombu import transport as kombu_transport
+from kombu.asynchronous import get_event_loop
 from kombu.transport import redis as kombu_redis
 
 # Queues whose tasks are consumed without kombu's unacked bookkeeping.
