@@ -22,9 +22,9 @@ put ~70% of the time it held the GIL in Celery's consumer thread, and most of th
   ``EventDispatcher`` publishes at most every ``EVENT_FLUSH_S`` (or at Celery's limit of
   24 buffered): Flower sees an event up to 0.1 s later, batched with its neighbours.
 
-Measured (BENCHMARKS.md, "The queue's own cost on a fast server"): worker CPU per 1,000
-samples 3.25-3.40 s before, 2.46-2.54 s after; Redis round trips per generated sample for
-every client together 8.2 before, 3.7 after.
+Measured (BENCHMARKS.md, "The queue's own cost on a fast server"): the workers' CPU per
+1,000 samples 3.25-4.11 s before, 2.44-2.76 s after, in four runs each; Redis round trips
+per generated sample for every client together 8.2 before, 3.7 after.
 
 The gpu queue keeps kombu's acks (its consumer is a prefork parent that hands the message
 to a child).
@@ -149,6 +149,11 @@ class EventDispatcher(dispatcher.EventDispatcher):
         self._flush_due = False
         self._last_flush = monotonic()
         self.flush()
+
+    def close(self) -> None:
+        # What the timer has not sent yet goes now (Celery's close publishes nothing).
+        self.flush(errors=False)
+        super().close()
 
 
 class Events(CeleryEvents):

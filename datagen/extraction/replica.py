@@ -285,15 +285,32 @@ def rank_main(argv: Sequence[str]) -> int:
     cfg = runner.extraction_config(settings)
     backend = backends.create(cfg.backend, cfg, device)
     dist.barrier(group=group)  # every part loaded before rank 0 takes a shard
-    if rank != 0:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or rank 0 stops us
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        follow(backend, group, getattr(torch, cfg.dtype))
-        backend.close()
-        return 0
-    if os.environ.get(CALIBRATE_ENV):
-        return _calibrate(settings, cfg, Leader(backend, group))
-    return _serve(settings, cfg, Leader(backend, group), argv)
+    try:
+        if rank != 0:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher or rank 0 stops us
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            follow(backend, group, getattr(torch, cfg.dtype))
+            backend.close()
+            return 0
+        if os.environ.get(CALIBRATE_ENV):
+            return _calibrate(settings, cfg, Leader(backend, group))
+        return _serve(settings, cfg, Leader(backend, group), argv)
+    finally:
+        _leave()
+
+
+def _leave() -> None:
+    """Tear the process groups down before the interpreter does. Left to the exit, gloo's
+    threads can be destroyed still joinable, which aborts the process ("terminate called
+    without an active exception": a rank exiting -6 after a clean stop, seen 1 in ~4 runs of
+    tests/test_replica_e2e.py with the suite in two processes)."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # the exit code is about the work, not the teardown
+        log.warning("process groups not torn down cleanly: %s", exc)
 
 
 def _calibrate(settings: Settings, cfg: Any, leader: Leader) -> int:
