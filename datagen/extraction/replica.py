@@ -16,13 +16,18 @@ forward that raises on rank 0 exits it at once (``os._exit``: the lease must not
 as after an ordinary failure). Nothing is lost or counted twice: files are renamed into place
 complete, the shard's lease expires and any live gpu worker's reaper re-enqueues it ahead of
 fresh shards; the samples already in the manifest are not redone. A rank that hangs is found
-by the backend group's timeout (``replica_timeout_s``) on the ranks waiting for it.
+by the backend group's timeout (``replica_timeout_s``) on the ranks waiting for it, and rank
+0's announcement of a row waits no longer than that either: the command group's own timeout
+is for the other ranks, idle between rows for as long as the queue is empty (a gloo
+broadcast's root waits for each receiver to post its receive, so a stopped rank held rank 0
+there, and with it the shard's lease, for ever).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 import signal
 import socket
@@ -202,21 +207,41 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
 # -- ranks -----------------------------------------------------------------------------------
 
 
+def announce(obj: Any, group: Any, timeout: timedelta) -> None:
+    """Rank 0: send ``obj`` to the other ranks of ``group``; raises after ``timeout``."""
+    import torch
+    import torch.distributed as dist
+
+    payload = pickle.dumps(obj)
+    for tensor in (torch.tensor([len(payload)], dtype=torch.int64),
+                   torch.frombuffer(bytearray(payload), dtype=torch.uint8)):
+        dist.broadcast(tensor, src=0, group=group, async_op=True).wait(timeout=timeout)
+
+
+def receive(group: Any) -> Any:
+    """Ranks 1..N-1: the next object rank 0 announces (waits as long as the group lets)."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
 class Leader:
     """Rank 0's backend: announces each row to the other ranks, then runs its own part."""
 
-    def __init__(self, backend: Any, group: Any):
-        self.inner, self.group = backend, group
+    def __init__(self, backend: Any, group: Any, timeout: timedelta):
+        self.inner, self.group, self.timeout = backend, group, timeout
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def forward_row(self, id_lists: Sequence[Sequence[int]], out: Any) -> None:
-        import torch.distributed as dist
-
         try:
-            dist.broadcast_object_list([[list(ids) for ids in id_lists]], src=0,
-                                       group=self.group)
+            announce([list(ids) for ids in id_lists], self.group, self.timeout)
             self.inner.forward_row(id_lists, out)
         except BaseException as exc:  # noqa: BLE001 - collectives are now out of step
             log.critical("replica forward failed (%s: %s): exiting; the shard's lease "
@@ -225,10 +250,8 @@ class Leader:
             os._exit(EXIT_REPLICA_BROKEN)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         try:
-            dist.broadcast_object_list([STOP], src=0, group=self.group)
+            announce(STOP, self.group, self.timeout)
         finally:
             self.inner.close()
 
@@ -236,16 +259,14 @@ class Leader:
 def follow(backend: Any, group: Any, dtype: Any) -> None:
     """Ranks 1..N-1: run every row rank 0 announces, until it says stop."""
     import torch
-    import torch.distributed as dist
 
     while True:
-        msg: list[Any] = [None]
-        dist.broadcast_object_list(msg, src=0, group=group)
-        if msg[0] == STOP:
+        row = receive(group)
+        if row == STOP:
             return
-        n = sum(len(ids) for ids in msg[0])
+        n = sum(len(ids) for ids in row)
         out = torch.empty(n, backend.width, dtype=dtype, device=backend.device)
-        backend.forward_row(msg[0], out)
+        backend.forward_row(row, out)
 
 
 def init_groups(settings: Settings, device: Any) -> Any:
@@ -292,9 +313,10 @@ def rank_main(argv: Sequence[str]) -> int:
             follow(backend, group, getattr(torch, cfg.dtype))
             backend.close()
             return 0
+        leader = Leader(backend, group, timedelta(seconds=settings.replica_timeout_s))
         if os.environ.get(CALIBRATE_ENV):
-            return _calibrate(settings, cfg, Leader(backend, group))
-        return _serve(settings, cfg, Leader(backend, group), argv)
+            return _calibrate(settings, cfg, leader)
+        return _serve(settings, cfg, leader, argv)
     finally:
         _leave()
 

@@ -86,3 +86,56 @@ def test_reclaimed_shards_are_sent_at_the_retry_priority(redis_url: str) -> None
     lists = keys.queue_lists(xlm.GPU_QUEUE)
     assert r.llen(lists[0]) == 1 and r.llen(lists[-1]) == 1  # step 0 is served first
     assert xlm.ExtractionLedger(r).queued("datagen.extract") == {"fresh", "back"}
+
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from datagen.extraction.replica import announce, receive
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+group = dist.new_group(backend="gloo", timeout=timedelta(days=30))  # as init_groups makes it
+if rank == 1:
+    assert receive(group) == [[1, 2, 3]]
+    os.kill(os.getpid(), signal.SIGSTOP)  # hangs before it posts its next receive
+else:
+    announce([[1, 2, 3]], group, timedelta(seconds=2))
+    started = time.monotonic()
+    try:
+        announce([[4, 5]], group, timedelta(seconds=2))
+        print("SENT", flush=True)
+    except RuntimeError as exc:
+        print(f"RAISED after {time.monotonic() - started:.1f}s: {exc}", flush=True)
+    os._exit(0)
+"""
+
+
+def test_rank_0_gives_up_on_a_hung_rank_after_its_timeout(tmp_path: Path) -> None:
+    # Given: two gloo ranks with the replica's 30-day command group; rank 1 takes one row
+    # and hangs before it asks for the next (a gloo broadcast's root waits for that)
+    import os
+    import subprocess
+    import sys
+
+    from datagen.redis_server import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in (0, 1)]
+    try:
+        # When: rank 0 announces the next row
+        out, _ = ranks[0].communicate(timeout=120)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    # Then: the announcement fails after the replica's timeout instead of waiting for ever
+    # (the 30 days of the group), so rank 0 exits and the shard's lease can lapse
+    assert "RAISED after" in out, out
+    waited = float(out.split("RAISED after ")[1].split("s:")[0])
+    assert 1.5 <= waited <= 10, out
