@@ -268,7 +268,8 @@ def run_replica(args: argparse.Namespace, argv: list[str]) -> dict | None:
 
     import torch
 
-    from datagen.extraction.replica import Devices, _free_port, rank_env
+    from datagen.extraction.replica import Devices, rank_env
+    from datagen.redis_server import free_port
 
     cuda = (args.device or ("cpu" if args.tiny else "auto")) != "cpu" and (
         torch.cuda.is_available())
@@ -278,7 +279,7 @@ def run_replica(args: argparse.Namespace, argv: list[str]) -> dict | None:
         build_model(args, torch.device("cpu")).save_pretrained(work / "model")
         log.info("random model saved in %.1fs", time.perf_counter() - t0)
         devices = Devices("cuda" if cuda else "cpu", tuple(range(args.ranks)))
-        port = _free_port()
+        port = free_port()
         procs = [subprocess.Popen([sys.executable, "-m", "bench.bench_extract", *argv,
                                    "--rank-model", str(work / "model")],
                                   env=rank_env(devices, r, port, dict(os.environ)))

@@ -16,7 +16,6 @@ so the other files are invisible to it)::
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 from datagen import draft_config as dc
 from datagen import vocab_mapping as vm
+from datagen.generation.records import atomic_file
 
 DRAFT_CONFIG_NAME = "draft_config.json"
 RUN_CONFIG_NAME = "specforge_train.json"
@@ -191,9 +191,8 @@ def run_config(model_path: Path, draft: Path, mapping: Path, features: Path, max
 
 
 def _write_json(path: Path, body: dict[str, Any]) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path) as fh:
+        fh.write(json.dumps(body, indent=2) + "\n")
     return path
 
 

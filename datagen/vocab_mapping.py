@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from datagen.generation.records import atomic_file
+
 log = logging.getLogger(__name__)
 
 COUNTS_DIR = "vocab_counts"  # in the extraction folder: <shard name>.json per shard
@@ -58,10 +60,8 @@ def write_shard_counts(folder: Path, name: str, counts: Mapping[int, tuple[int, 
     body = {"version": COUNTS_VERSION, **meta, "paths": paths,
             "tokens": [[t, c, index[f]] for t, (c, f) in sorted(counts.items())]}
     target = folder / COUNTS_DIR / f"{name}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(body, separators=(",", ":")) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
+    with atomic_file(target) as fh:
+        fh.write(json.dumps(body, separators=(",", ":")) + "\n")
     return target
 
 

@@ -22,6 +22,7 @@ def check_metadata(output_dir: Path, meta: dict) -> None:
     """Write ``extraction.json`` on the first run; later runs must match it, so that no
     folder mixes states of different layers, models or dtypes."""
     from datagen.errors import BadInput
+    from datagen.generation.records import atomic_file
 
     path = output_dir / METADATA
     if path.is_file():
@@ -32,10 +33,8 @@ def check_metadata(output_dir: Path, meta: dict) -> None:
                            f"worker has {', '.join(f'{k}={meta.get(k)!r}' for k in diff)}; "
                            "use another extraction_dir or remove the folder")
         return
-    output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{METADATA}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path) as fh:
+        fh.write(json.dumps(meta, indent=2) + "\n")
 
 
 def shard_name(shard_path: str | Path) -> str:

@@ -30,7 +30,6 @@ import os
 import pickle
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from typing import Any
 
 from config.settings import Settings
 from datagen.extraction.backends import DISTRIBUTED
+from datagen.redis_server import free_port
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +123,6 @@ def is_replica(settings: Settings, devices: Devices) -> bool:
 # -- launcher --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rank_env(devices: Devices, rank: int, port: int, base: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(devices.ranks),
@@ -150,7 +144,7 @@ def launch(devices: Devices, celery_args: Sequence[str],
            env: dict[str, str] | None = None) -> int:
     """Start the ranks (our environment plus ``env``), watch them; the first to exit ends
     the replica."""
-    port = _free_port()
+    port = free_port()
     base = {**os.environ, **(env or {})}
     procs = []
     for rank in range(devices.ranks):
