@@ -17,6 +17,14 @@ Everything runs on loopback with real processes: a throwaway Redis, one SGLang s
               function of (seed, prompt ids), so both runs generate the same tokens
   memory      PSS of each worker (and any children), sampled during the (a) runs at the moments
               its ledger in-flight count is at its full concurrency
+  http        one thread posting the same /generate body in turn through a requests.Session
+              (what the client used before) and through SGLangClient.generate (urllib3's pool),
+              alternating blocks: CPU per call of each
+  floor       the same worker command and settings with a task that does no work
+              (bench/noop_app.py: it holds its thread for the pipeline's median request time,
+              then one INCR), --prompts messages of the producer's payload size: the CPU a
+              Celery worker spends per message before the task does anything, against the
+              direct client's CPU per sample at the same decode step
 
 The throughput phase runs once per simulator decode step in --decode-steps-s: 7 ms is the
 project's setting (~11k tokens/s), 2 ms a fast server (~39k tokens/s) where the queue's own cost
@@ -62,8 +70,10 @@ import requests  # noqa: E402
 from cli.stack import Process, child_env, start_simulator, start_worker, wait_for_workers  # noqa: E402,I001
 from config.settings import Settings, load_settings  # noqa: E402
 from datagen import keys  # noqa: E402
-from datagen.celery_app import make_app  # noqa: E402
+from datagen.celery_app import make_app, worker_argv  # noqa: E402
 from datagen.generation.follower import follow  # noqa: E402
+from datagen.generation.guard import enqueue  # noqa: E402
+from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
@@ -108,7 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--producer-prompts", type=int, default=20000)
     p.add_argument("--phases", default="producer,throughput",
-                   help="comma list of producer, throughput (memory is sampled in throughput)")
+                   help="comma list of producer, throughput, http, floor (memory is sampled "
+                        "in throughput; floor compares with throughput's direct client)")
+    p.add_argument("--http-calls", type=int, default=200, help="calls per block, http phase")
     p.add_argument("--run-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "generate.json"))
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, records)")
@@ -219,6 +231,12 @@ class Bench:
     def sim_reset(self) -> None:
         requests.post(self.sim_url + "/_sim/reset", timeout=10).raise_for_status()
 
+    def stop_workers(self) -> None:
+        for proc in self.workers.values():
+            proc.stop(timeout_s=10)
+            self.procs.remove(proc)
+        self.workers = {}
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop(timeout_s=10)
@@ -327,10 +345,14 @@ def occupancy(log: list[dict[str, Any]], begin: float, end: float, limit: int
             full_at = t
     span = steps[-1][0] - first
     window = last_start - (full_at or last_start)
+    starts = {e["rid"]: e["time"] for e in log if e["event"] == "start"}
+    durations = [e["time"] - starts[e["rid"]] for e in log
+                 if e["event"] == "finish" and e["rid"] in starts]
     return {"lead_s": round(first - begin, 3),
             "ramp_s": round(full_at - first, 3) if full_at else None,  # None: never full
             "steady_in_flight": round(steady / window, 2) if window > 0 else None,
             "mean_in_flight": round(area / span, 2), "server_span_s": round(span, 3),
+            "request_s_median": round(statistics.median(durations), 4) if durations else None,
             "drain_s": round(end - steps[-1][0], 3)}
 
 
@@ -508,6 +530,18 @@ def table(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     rows: list[tuple[str, str, str, str]] = []
     for label, tp in results.get("throughput", {}).items():
         rows += throughput_rows(label, tp)
+    if http := results.get("http"):
+        m = http["median_cpu_ms_per_call"]
+        rows.append(("/generate CPU ms per call: requests.Session / SGLangClient",
+                     f"{m['requests']:.3f} / {m['client']:.3f}", "", ""))
+    for label, fl in results.get("floor", {}).items():
+        rows.append((f"[{label}] no-op worker CPU s per 1,000 tasks (held {fl['hold_s']}s)",
+                     f"{fl['worker_cpu_s_per_1000']:.3f}", "", ""))
+        if "floor_over_direct" in fl:
+            ratio = fl["floor_over_direct"]
+            rows.append((f"[{label}] no-op worker / direct client CPU per sample",
+                         f"{ratio:.2f}", f"<= {CPU_RATIO_GOAL:.2f}",
+                         "yes" if ratio <= CPU_RATIO_GOAL else "NO"))
     if prod := results.get("producer"):
         rows.append(_goal("producer prompts/s incl. tokenization", prod["prompts_per_s"],
                           PRODUCER_GOAL, ",.0f"))
@@ -588,6 +622,13 @@ def run_phases(bench: Bench, phases: set[str]) -> dict[str, Any]:
             if "throughput" in phases:
                 print(f"throughput at decode step {step_label(step)} ...", flush=True)
                 results.setdefault("throughput", {})[step_label(step)] = bench_throughput(bench)
+            if "http" in phases and "http" not in results:
+                print("http: requests against the client's pool ...", flush=True)
+                results["http"] = bench_http(bench)
+            if "floor" in phases:
+                print(f"floor at decode step {step_label(step)} ...", flush=True)
+                tp = results.get("throughput", {}).get(step_label(step))
+                results.setdefault("floor", {})[step_label(step)] = bench_floor(bench, tp)
         finally:
             bench.stop()
     return results
@@ -604,6 +645,96 @@ def bench_throughput(bench: Bench) -> dict[str, Any]:
         runs.append(run_direct(bench, jobs, rnd))
         print_run(runs[-1])
     return summarize(runs, bench.worker_limits())
+
+
+def bench_http(bench: Bench, blocks: int = 4) -> dict[str, Any]:
+    """CPU per /generate call in one thread: requests.Session against SGLangClient."""
+    from datagen.client import SGLangClient, new_rid  # noqa: PLC0415
+
+    client = SGLangClient(bench.sim_url)
+    session = requests.Session()
+    # Short, so that the simulator's prefill and decode do not make the phase long.
+    body = {"input_ids": list(range(100, 300)),
+            "sampling_params": {"temperature": 0.7, "max_new_tokens": 4}, "stream": False}
+
+    def via_requests() -> None:
+        resp = session.post(bench.sim_url + "/generate", json=dict(body, rid=new_rid("http")),
+                            headers={"X-Datagen-Dataset": "http"}, timeout=(10, 60))
+        resp.raise_for_status()
+        resp.json()
+
+    def via_client() -> None:
+        client.generate(body["input_ids"], body["sampling_params"], new_rid("http"), "http")
+
+    calls = bench.args.http_calls
+    cpu: dict[str, list[float]] = {"requests": [], "client": []}
+    for name, fn in [("requests", via_requests), ("client", via_client)] * blocks:
+        fn()  # a connection of its own, opened outside the measurement
+        started = time.thread_time()
+        for _ in range(calls):
+            fn()
+        cpu[name].append(round(1000 * (time.thread_time() - started) / calls, 4))
+    session.close()
+    medians = {name: statistics.median(v) for name, v in cpu.items()}
+    print(f"http: CPU ms per call: requests {medians['requests']:.3f}, "
+          f"client {medians['client']:.3f}", flush=True)
+    return {"calls_per_block": calls, "blocks": blocks, "cpu_ms_per_call": cpu,
+            "median_cpu_ms_per_call": medians,
+            "client_over_requests": round(medians["client"] / medians["requests"], 3)}
+
+
+def bench_floor(bench: Bench, tp: dict[str, Any] | None) -> dict[str, Any]:
+    """A worker with a task that does no work: Celery's own CPU per message."""
+    from bench import noop_app  # noqa: PLC0415
+
+    runs = [r for r in (tp or {}).get("runs", []) if r["mode"] == "pipeline"]
+    hold_s = statistics.median(r["server"]["request_s_median"] for r in runs) if runs else 0.4
+    count = bench.args.prompts
+    settings = bench.settings
+    bench.stop_workers()  # the no-op worker alone takes the short queue
+    env = child_env(dict(bench.env, DATAGEN_BENCH_TASK_S=str(hold_s)))
+    argv = worker_argv(settings, "short", hostname="noop@bench")
+    argv[argv.index("workers.app")] = "bench.noop_app"
+    proc = Process("noop", argv, bench.tmp / "logs" / "worker-noop.log", env)
+    bench.procs.append(proc)
+    app = make_app(settings)
+    client = redis.Redis.from_url(bench.redis.url)
+    try:
+        deadline = time.monotonic() + 60
+        while not app.control.ping(destination=["noop@bench"], timeout=0.5):
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the no-op worker did not start:\n{proc.log_text()[-2000:]}")
+        client.delete(noop_app.COUNTER)
+        jobs = [Job("floor", f"s{i:07d}", "short", "prompts/floor/run.jsonl", i * 1000,
+                    500, 1024) for i in range(count)]
+        before = cpu_seconds({"noop": proc.pid})
+        started = time.monotonic()
+        with app.producer_or_acquire() as producer:
+            for job in jobs:
+                enqueue(app, job, producer=producer)
+        deadline = started + bench.args.run_timeout_s
+        while (done := int(client.get(noop_app.COUNTER) or 0)) < count:
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the no-op worker ran {done} of {count} tasks:\n"
+                                   f"{proc.log_text()[-2000:]}")
+            time.sleep(0.05)
+        wall = time.monotonic() - started
+        cpu = cpu_delta(before, cpu_seconds({"noop": proc.pid}))["noop"]
+    finally:
+        proc.stop(timeout_s=10)
+        bench.procs.remove(proc)
+        app.close()
+        client.close()
+    floor = round(1000 * cpu / count, 3)
+    direct = (tp or {}).get("direct_cpu_s_per_1000") or []
+    out: dict[str, Any] = {"tasks": count, "hold_s": round(hold_s, 4), "wall_s": round(wall, 2),
+                           "worker_cpu_s_per_1000": floor}
+    if direct:
+        out["direct_cpu_s_per_1000_median"] = statistics.median(direct)
+        out["floor_over_direct"] = round(floor / max(statistics.median(direct), 1e-9), 2)
+    print(f"floor: {count:,} no-op tasks held {hold_s:.3f}s each in {wall:.1f}s; "
+          f"worker {floor:.2f} CPU s/1k tasks", flush=True)
+    return out
 
 
 def code_digests() -> dict[str, str]:

@@ -90,6 +90,7 @@ def one_policy(tmp: Path, flags: list[str], args: argparse.Namespace) -> dict[st
             port = free_port()
             router = Process("router", [sys.executable, "-m", "sglang_router.launch_router",
                                         "--host", "127.0.0.1", "--port", str(port),
+                                        "--prometheus-port", str(free_port()),
                                         "--worker-urls", *servers, "--log-level", "warn",
                                         *flags], logs / "router.log")
             procs.append(router)

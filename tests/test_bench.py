@@ -26,3 +26,26 @@ def test_bench_ledger_measures_admission_and_traffic(tmp_path: Path) -> None:
     assert data["traffic"]["samples"] == 40
     assert 0 < data["traffic"]["round_trips_per_sample"] <= 4
     assert "| in flight |" in result.stdout
+
+
+def test_bench_generate_measures_the_pipeline_the_client_and_the_celery_floor(
+        tmp_path: Path) -> None:
+    out = tmp_path / "generate.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_generate.py", "--phases", "throughput,http,floor",
+         "--decode-steps-s", "0.002", "--rounds", "1", "--prompts", "120", "--http-calls", "10",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    tp = data["throughput"]["2ms"]
+    assert len(tp["ratios"]) == 1 and tp["ratios"][0] > 0
+    assert tp["worker_cpu_s_per_1000"][0] > 0 and tp["direct_cpu_s_per_1000"][0] > 0
+    # The no-op worker held each task as long as the pipeline's median request, and ran all
+    floor = data["floor"]["2ms"]
+    assert floor["tasks"] == 120
+    assert floor["hold_s"] == round(tp["runs"][0]["server"]["request_s_median"], 4) > 0
+    assert floor["worker_cpu_s_per_1000"] > 0 and floor["floor_over_direct"] > 0
+    http = data["http"]["median_cpu_ms_per_call"]
+    assert http["requests"] > 0 and http["client"] > 0
+    assert "no-op worker / direct client CPU per sample" in result.stdout

@@ -43,8 +43,11 @@ class Routed:
 
 def start_router(stack: Stack, servers: list[str], *args: str) -> Routed:
     port = free_port()
+    # A metrics port of its own: the default (29000) is taken by a router of a test that
+    # another test process runs at the same time, and the router then panics at start.
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(port), "--worker-urls", *servers, "--log-level", "warn", *args]
+            "--port", str(port), "--prometheus-port", str(free_port()),
+            "--worker-urls", *servers, "--log-level", "warn", *args]
     proc = Process("router", argv, stack.tmp / "logs" / "router.log")
     stack.procs.append(proc)
     url = f"http://127.0.0.1:{port}"

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import requests
 from conftest import Stack, wait_until
 
 from datagen.client import SGLangClient, new_rid
@@ -80,3 +81,54 @@ def test_an_abort_reaches_the_servers_an_older_router_lists(stack: Stack,
     assert [e["rid"] for e in stack.sim_log() if e["event"] == "abort"] == [rid]
     assert LegacyRouter.calls.count("/list_workers") == 1
 
+
+
+class ForwardProxy(BaseHTTPRequestHandler):
+    """A plain HTTP proxy stand-in: requests for absolute URLs, passed on and noted."""
+
+    seen: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.seen.append(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        upstream = requests.post(self.path, data=body, timeout=30,
+                                 headers={"Content-Type": "application/json"},
+                                 proxies={"http": "", "https": ""})
+        self.send_response(upstream.status_code)
+        self.send_header("Content-Length", str(len(upstream.content)))
+        self.end_headers()
+        self.wfile.write(upstream.content)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def forward_proxy() -> Iterator[str]:
+    ForwardProxy.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ForwardProxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("bypassed", [False, True], ids=["proxied", "no_proxy"])
+def test_generate_honours_the_proxy_settings_of_the_environment(
+        stack: Stack, forward_proxy: str, monkeypatch: pytest.MonkeyPatch,
+        bypassed: bool) -> None:
+    # Given: a proxy in the environment, and the server excluded from it or not
+    url = stack.start_simulator("--lengths", "fixed:3", "--decode-step-s", "0.001")
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", forward_proxy)
+    monkeypatch.setenv("http_proxy", forward_proxy)
+    if bypassed:
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+
+    # When: a sample is generated
+    gen = SGLangClient(url).generate([1, 2, 3], {"max_new_tokens": 3}, new_rid("B1"), "B1")
+
+    # Then: it went through the proxy exactly when the environment says so
+    assert gen.completion_tokens == 3
+    assert ForwardProxy.seen == ([] if bypassed else [f"{url}/generate"])
