@@ -1,16 +1,16 @@
 """HTTP client for SGLang's native API (`/generate`, `/abort_request`, `/server_info`).
 
-``/generate``, one call per sample, goes through one urllib3 pool shared by the threads
-(thread-safe, a kept-alive connection per thread in flight); the rarer calls through one
-``requests.Session`` per thread. requests costs ~0.5 ms of CPU per call more than urllib3
-under it (its environment lookups for proxies on every call are ~0.2 ms of that; measured
-with ``bench/bench_generate.py --phases http``), a fifth of a worker's CPU per sample on a
-fast server. The pool reads the environment once: where HTTP(S)_PROXY applies to the
-server's URL (NO_PROXY does not exclude it), ``/generate`` keeps going through requests,
-which speaks to proxies; certificates are requests' (REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE or
-certifi's bundle). Both timeouts are on every call (the threads pool cannot kill a stuck
-task), and an ``/abort_request`` follows a client-side timeout, because SGLang keeps
-decoding for a client that went away.
+``/generate``, one call per sample, goes over one kept-alive ``http.client`` connection per
+thread (a connection found closed by the server while idle is replaced before it is used);
+the rarer calls go through one ``requests.Session`` per thread. Measured with
+``bench/bench_generate.py --phases http``: requests costs ~0.5 ms of CPU per call more
+(its environment lookups for proxies on every call are ~0.2 ms of that, urllib3's pool
+and its two sends per request most of the rest), a fifth of a worker's CPU per sample on
+a fast server. Where the server's URL is not plain ``http://`` without credentials, or
+an environment proxy applies to it (HTTP_PROXY and NO_PROXY, read once), ``/generate``
+goes through requests too, which speaks TLS, basic auth and proxies. Both timeouts are on
+every call (the threads pool cannot kill a stuck task), and an ``/abort_request``
+follows a read timeout, because SGLang keeps decoding for a client that went away.
 
 ``server_url`` may be the SGLang router (``sglang-router``) in front of several
 servers. The router proxies ``/generate`` but has no ``/abort_request`` route (it
@@ -24,21 +24,23 @@ context length is the smallest of theirs.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import logging
-import os
 import random
 import re
+import select
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
-import urllib3
-from requests.utils import DEFAULT_CA_BUNDLE_PATH, get_environ_proxies
+from requests.utils import get_environ_proxies
 
 from config.settings import masked_url
 from datagen.errors import BadRequest, ServerUnavailable
@@ -51,8 +53,6 @@ HEALTH_CACHE_S = 1.0
 # How long the servers a router lists are reused for aborts (a shutdown aborts each of
 # its requests in turn; the router's set of servers changes rarely).
 BACKENDS_CACHE_S = 10.0
-# Idle connections the /generate pool keeps per server: at least the threads in flight.
-POOL_CONNECTIONS = 1024
 # A data-parallel router lists each rank as "<url>@<rank>"; the server is "<url>".
 _DP_RANK = re.compile(r"@\d+$")
 
@@ -101,7 +101,7 @@ class SGLangClient:
         self._health_at = -1e9
         self._health_ok = True
         self._backends: tuple[float, list[str]] = (-1e9, [])
-        self._pool = _direct_pool(self.base_url)
+        self._direct = _Connections.for_url(self.base_url, connect_timeout_s, read_timeout_s)
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -126,21 +126,18 @@ class SGLangClient:
                 "rid": rid, "stream": False}
         headers = dict(self._headers, **{DATASET_HEADER: dataset}) if dataset else self._headers
         started = time.monotonic()
-        if self._pool is None:  # a proxy applies: requests speaks to it
+        if self._direct is None:  # TLS, credentials in the URL or a proxy: requests
             return self._generate_via_requests(body, headers, rid, started)
+        conn = self._direct.connection()
         try:
-            resp = self._pool.request(
-                "POST", f"{self.base_url}/generate", body=json.dumps(body).encode(),
-                headers=headers, retries=False, redirect=False,
-                timeout=urllib3.Timeout(connect=self.timeout[0], read=self.timeout[1]))
-        except urllib3.exceptions.NewConnectionError as exc:  # a ConnectTimeoutError too
-            raise ServerUnavailable(f"/generate failed: {type(exc).__name__}: {exc}") from exc
-        except urllib3.exceptions.TimeoutError as exc:
+            status, content, reason = _post(conn, self._direct.path + "/generate",
+                                            json.dumps(body).encode(), headers)
+        except TimeoutError as exc:
             self.abort(rid)
             raise ServerUnavailable(f"/generate timed out for rid {rid}: {exc}") from exc
-        except urllib3.exceptions.HTTPError as exc:
+        except (OSError, http.client.HTTPException) as exc:
             raise ServerUnavailable(f"/generate failed: {type(exc).__name__}: {exc}") from exc
-        return _parse_generation(resp.status, resp.data, resp.reason or "", started)
+        return _parse_generation(status, content, reason, started)
 
     def _generate_via_requests(self, body: dict[str, Any], headers: dict[str, str], rid: str,
                                started: float) -> Generation:
@@ -252,13 +249,67 @@ def _listed_urls(data: Any) -> list[str]:
     return [str(u) for u in data.get("urls", [])]
 
 
-def _direct_pool(base_url: str) -> urllib3.PoolManager | None:
-    """The /generate pool, or None where an environment proxy applies to ``base_url``."""
-    if get_environ_proxies(base_url):
-        return None
-    ca_bundle = (os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
-                 or DEFAULT_CA_BUNDLE_PATH)
-    return urllib3.PoolManager(maxsize=POOL_CONNECTIONS, ca_certs=ca_bundle)
+class _Connections:
+    """One kept-alive connection per thread to a plain-HTTP server, for /generate."""
+
+    def __init__(self, host: str, port: int, path: str, connect_timeout_s: float,
+                 read_timeout_s: float):
+        self.host, self.port, self.path = host, port, path
+        self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
+        self._local = threading.local()
+
+    @classmethod
+    def for_url(cls, url: str, connect_timeout_s: float, read_timeout_s: float
+                ) -> _Connections | None:
+        """None where requests must carry the call: TLS, credentials, a proxy."""
+        parts = urlsplit(url)
+        if parts.scheme != "http" or parts.username or get_environ_proxies(url):
+            return None
+        return cls(parts.hostname or "localhost", parts.port or 80, parts.path.rstrip("/"),
+                   connect_timeout_s, read_timeout_s)
+
+    def connection(self) -> http.client.HTTPConnection:
+        """This thread's connection, connected; raises ServerUnavailable when it cannot."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = http.client.HTTPConnection(self.host, self.port,
+                                              timeout=self.connect_timeout_s)
+            self._local.conn = conn
+        elif conn.sock is not None and _readable(conn.sock):
+            conn.close()  # idle, so readable means closed by the server (or garbage)
+        if conn.sock is None:
+            try:
+                conn.connect()
+            except OSError as exc:
+                conn.close()
+                raise ServerUnavailable(f"/generate failed: cannot connect to "
+                                        f"{self.host}:{self.port}: {exc}") from exc
+            conn.sock.settimeout(self.read_timeout_s)
+            # Headers and body go out as two sends: without this the body would wait for
+            # the headers' ACK (Nagle against delayed ACKs). urllib3 and aiohttp set it too.
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+
+def _readable(sock: Any) -> bool:
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _post(conn: http.client.HTTPConnection, path: str, body: bytes,
+          headers: Mapping[str, str]) -> tuple[int, bytes, str]:
+    """One request and its whole answer; a connection left mid-answer is closed."""
+    try:
+        conn.request("POST", path, body=body, headers=dict(headers))
+        resp = conn.getresponse()
+        content = resp.read()
+    except BaseException:
+        conn.close()
+        raise
+    if resp.will_close:
+        conn.close()
+    return resp.status, content, resp.reason or ""
 
 
 def _parse_generation(status: int, content: bytes, reason: str, started: float) -> Generation:

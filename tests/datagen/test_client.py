@@ -132,3 +132,54 @@ def test_generate_honours_the_proxy_settings_of_the_environment(
     # Then: it went through the proxy exactly when the environment says so
     assert gen.completion_tokens == 3
     assert ForwardProxy.seen == ([] if bypassed else [f"{url}/generate"])
+
+
+class OneRequestPerConnection(BaseHTTPRequestHandler):
+    """Answers one /generate per connection, then closes it without saying so: what a
+    server's keep-alive timeout does to a connection left idle."""
+
+    protocol_version = "HTTP/1.1"
+    closed = threading.Semaphore(0)
+    connections = 0
+
+    def handle(self) -> None:
+        type(self).connections += 1
+        self.handle_one_request()
+
+    def finish(self) -> None:
+        super().finish()
+        self.connection.close()
+        self.closed.release()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        data = json.dumps({"text": "", "output_ids": [5, 6],
+                           "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
+                                         "finish_reason": {"type": "stop"}}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
+    # Given: a server that closes each connection after one answer, keep-alive announced
+    OneRequestPerConnection.closed = threading.Semaphore(0)
+    OneRequestPerConnection.connections = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OneRequestPerConnection)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = SGLangClient(f"http://127.0.0.1:{server.server_port}")
+    try:
+        for i in range(3):
+            # When: a sample is generated after the server closed the previous connection
+            gen = client.generate([1, 2, 3], {"max_new_tokens": 2}, new_rid("B1"), "B1")
+            assert OneRequestPerConnection.closed.acquire(timeout=30)
+            # Then: it succeeds, on a connection of its own
+            assert gen.output_ids == [5, 6]
+            assert OneRequestPerConnection.connections == i + 1
+    finally:
+        server.shutdown()
