@@ -18,7 +18,7 @@ Everything runs on loopback with real processes: a throwaway Redis, one SGLang s
   memory      PSS of each worker (and any children), sampled during the (a) runs at the moments
               its ledger in-flight count is at its full concurrency
   http        one thread posting the same /generate body in turn through a requests.Session
-              (what the client used before) and through SGLangClient.generate (urllib3's pool),
+              (what the client used before) and through SGLangClient.generate (http.client),
               alternating blocks: CPU per call of each
   floor       the same worker command and settings with a task that does no work
               (bench/noop_app.py: it holds its thread for the pipeline's median request time,
@@ -539,9 +539,10 @@ def table(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                      f"{fl['worker_cpu_s_per_1000']:.3f}", "", ""))
         if "floor_over_direct" in fl:
             ratio = fl["floor_over_direct"]
+            # Not a goal of its own: what the goal leaves for the task's work is the rest.
             rows.append((f"[{label}] no-op worker / direct client CPU per sample",
-                         f"{ratio:.2f}", f"<= {CPU_RATIO_GOAL:.2f}",
-                         "yes" if ratio <= CPU_RATIO_GOAL else "NO"))
+                         f"{ratio:.2f} (leaves {CPU_RATIO_GOAL - ratio:.2f} of "
+                         f"{CPU_RATIO_GOAL:g} for the task)", "", ""))
     if prod := results.get("producer"):
         rows.append(_goal("producer prompts/s incl. tokenization", prod["prompts_per_s"],
                           PRODUCER_GOAL, ",.0f"))
@@ -623,7 +624,7 @@ def run_phases(bench: Bench, phases: set[str]) -> dict[str, Any]:
                 print(f"throughput at decode step {step_label(step)} ...", flush=True)
                 results.setdefault("throughput", {})[step_label(step)] = bench_throughput(bench)
             if "http" in phases and "http" not in results:
-                print("http: requests against the client's pool ...", flush=True)
+                print("http: requests.Session against SGLangClient ...", flush=True)
                 results["http"] = bench_http(bench)
             if "floor" in phases:
                 print(f"floor at decode step {step_label(step)} ...", flush=True)
