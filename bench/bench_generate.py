@@ -22,9 +22,9 @@ Everything runs on loopback with real processes: a throwaway Redis, one SGLang s
               alternating blocks: CPU per call of each
   floor       the same worker command and settings with a task that does no work
               (bench/noop_app.py: it holds its thread for the pipeline's median request time,
-              then one INCR), --prompts messages of the producer's payload size: the CPU a
-              Celery worker spends per message before the task does anything, against the
-              direct client's CPU per sample at the same decode step
+              0.4 s without the throughput phase, then one INCR), --prompts messages of the
+              producer's payload size: the CPU a Celery worker spends per message before the
+              task does anything, against the direct client's CPU per sample at that step
 
 The throughput phase runs once per simulator decode step in --decode-steps-s: 7 ms is the
 project's setting (~11k tokens/s), 2 ms a fast server (~39k tokens/s) where the queue's own cost

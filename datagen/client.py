@@ -4,9 +4,9 @@
 thread (a connection found closed by the server while idle is replaced before it is used);
 the rarer calls go through one ``requests.Session`` per thread. Measured with
 ``bench/bench_generate.py --phases http``: requests costs ~0.5 ms of CPU per call more
-(its environment lookups for proxies on every call are ~0.2 ms of that, urllib3's pool
-and its two sends per request most of the rest), a fifth of a worker's CPU per sample on
-a fast server. Where the server's URL is not plain ``http://`` without credentials, or
+(its environment lookups for proxies on every call are ~0.2 ms of that; its adapter and
+urllib3's pool, retry and header objects most of the rest), a fifth of a worker's CPU per
+sample on a fast server. Where the server's URL is not plain ``http://`` without credentials, or
 an environment proxy applies to it (HTTP_PROXY and NO_PROXY, read once), ``/generate``
 goes through requests too, which speaks TLS, basic auth and proxies. Both timeouts are on
 every call (the threads pool cannot kill a stuck task), and an ``/abort_request``
