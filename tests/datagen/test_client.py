@@ -82,7 +82,6 @@ def test_an_abort_reaches_the_servers_an_older_router_lists(stack: Stack,
     assert LegacyRouter.calls.count("/list_workers") == 1
 
 
-
 class ForwardProxy(BaseHTTPRequestHandler):
     """A plain HTTP proxy stand-in: requests for absolute URLs, passed on and noted."""
 
