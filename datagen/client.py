@@ -126,30 +126,21 @@ class SGLangClient:
                 "rid": rid, "stream": False}
         headers = dict(self._headers, **{DATASET_HEADER: dataset}) if dataset else self._headers
         started = time.monotonic()
-        if self._direct is None:  # TLS, credentials in the URL or a proxy: requests
-            return self._generate_via_requests(body, headers, rid, started)
-        conn = self._direct.connection()
         try:
-            status, content, reason = _post(conn, self._direct.path + "/generate",
-                                            json.dumps(body).encode(), headers)
-        except TimeoutError as exc:
+            if self._direct is None:  # TLS, credentials in the URL or a proxy: requests
+                resp = self.session.post(f"{self.base_url}/generate", json=body,
+                                         headers=headers, timeout=self.timeout)
+                status, content, reason = resp.status_code, resp.content, resp.reason or ""
+            else:
+                status, content, reason = _post(self._direct.connection(),
+                                                self._direct.path + "/generate",
+                                                json.dumps(body).encode(), headers)
+        except (TimeoutError, requests.Timeout) as exc:
             self.abort(rid)
             raise ServerUnavailable(f"/generate timed out for rid {rid}: {exc}") from exc
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException) as exc:  # requests' errors are OSErrors
             raise ServerUnavailable(f"/generate failed: {type(exc).__name__}: {exc}") from exc
         return _parse_generation(status, content, reason, started)
-
-    def _generate_via_requests(self, body: dict[str, Any], headers: dict[str, str], rid: str,
-                               started: float) -> Generation:
-        try:
-            resp = self.session.post(f"{self.base_url}/generate", json=body, headers=headers,
-                                     timeout=self.timeout)
-        except requests.Timeout as exc:
-            self.abort(rid)
-            raise ServerUnavailable(f"/generate timed out for rid {rid}: {exc}") from exc
-        except requests.RequestException as exc:
-            raise ServerUnavailable(f"/generate failed: {type(exc).__name__}: {exc}") from exc
-        return _parse_generation(resp.status_code, resp.content, resp.reason or "", started)
 
     def abort(self, rid: str) -> None:
         """``/abort_request`` for ``rid`` (SGLang matches it as a prefix); behind a
@@ -298,10 +289,10 @@ def _readable(sock: Any) -> bool:
 
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes,
-          headers: Mapping[str, str]) -> tuple[int, bytes, str]:
+          headers: dict[str, str]) -> tuple[int, bytes, str]:
     """One request and its whole answer; a connection left mid-answer is closed."""
     try:
-        conn.request("POST", path, body=body, headers=dict(headers))
+        conn.request("POST", path, body=body, headers=headers)
         resp = conn.getresponse()
         content = resp.read()
     except BaseException:
