@@ -2,15 +2,16 @@
 
 ``/generate``, one call per sample, goes over one kept-alive ``http.client`` connection per
 thread (a connection found closed by the server while idle is replaced before it is used);
-the rarer calls go through one ``requests.Session`` per thread. Measured with
-``bench/bench_generate.py --phases http``: requests costs ~0.5 ms of CPU per call more
-(its environment lookups for proxies on every call are ~0.2 ms of that; its adapter and
-urllib3's pool, retry and header objects most of the rest), a fifth of a worker's CPU per
-sample on a fast server. Where the server's URL is not plain ``http://`` without credentials, or
-an environment proxy applies to it (HTTP_PROXY and NO_PROXY, read once), ``/generate``
-goes through requests too, which speaks TLS, basic auth and proxies. Both timeouts are on
-every call (the threads pool cannot kill a stuck task), and an ``/abort_request``
-follows a read timeout, because SGLang keeps decoding for a client that went away.
+the rarer calls go through one ``requests.Session`` per thread. requests cost 0.46-0.75 ms
+of CPU per call more (``bench/bench_generate.py --phases http``, and a one-off run without
+the simulator's prefill), a fifth of a worker's CPU per sample on a fast server; ~0.2 ms of
+it was its lookup of proxy settings in the environment on every call (a one-off comparison
+with ``trust_env`` off), the rest its adapter and urllib3's pool, retry and header objects.
+Where the server's URL is not plain ``http://`` without credentials, or an environment
+proxy applies to it (HTTP_PROXY and NO_PROXY, read once), ``/generate`` goes through
+requests too, which speaks TLS, basic auth and proxies. Both timeouts are on every call (the
+threads pool cannot kill a stuck task), and an ``/abort_request`` follows a read timeout,
+because SGLang keeps decoding for a client that went away.
 
 ``server_url`` may be the SGLang router (``sglang-router``) in front of several
 servers. The router proxies ``/generate`` but has no ``/abort_request`` route (it
