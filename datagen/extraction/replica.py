@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -316,10 +317,8 @@ def rank_main(argv: Sequence[str]) -> int:
 
 
 def _leave() -> None:
-    """Tear the process groups down before the interpreter does. Left to the exit, gloo's
-    threads can be destroyed still joinable, which aborts the process ("terminate called
-    without an active exception": a rank exiting -6 after a clean stop, seen 1 in ~4 runs of
-    tests/test_replica_e2e.py with the suite in two processes)."""
+    """Tear the process groups down before the rank exits (``exit_rank`` then skips the
+    interpreter's own teardown)."""
     import torch.distributed as dist
 
     try:
@@ -366,5 +365,30 @@ def _serve(settings: Settings, cfg: Any, leader: Leader, argv: Sequence[str]) ->
     return 0
 
 
+def exit_rank(argv: Sequence[str]) -> None:
+    """Run the rank and leave with its exit code through ``os._exit``, once the logs are out.
+
+    The interpreter's teardown is where it went wrong: gloo's threads destroyed while still
+    joinable abort the process ("terminate called without an active exception"), a rank
+    exiting -6 after a clean stop, even with the process groups destroyed first (rank 1, 1
+    in ~4 runs of tests/test_replica_e2e.py with the suite in two processes; rank 0 once in
+    later runs). By then the work is done: records renamed into place, Celery stopped."""
+    code = 1
+    try:
+        code = rank_main(argv)
+    except SystemExit as exc:  # Celery's worker ends with one
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(rank_main(sys.argv[1:]))
+    exit_rank(sys.argv[1:])
