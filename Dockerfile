@@ -32,7 +32,7 @@ RUN pip install --no-deps .
 
 # The tokenizer the simulator setup (compose.sim.yaml) tokenizes with: built offline,
 # byte-identical on every build (vocabulary 4096, eos id 2).
-RUN python -c "from datagen.tokenizer import build_tiny_tokenizer as b; \
+RUN python -c "from datagen.tokenization.tokenizer import build_tiny_tokenizer as b; \
 b('/opt/datagen/tiny-tokenizer')"
 
 # Not root. A named volume mounted on /data/output starts owned by this user; for a host

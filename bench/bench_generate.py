@@ -76,7 +76,7 @@ from datagen.generation.guard import enqueue  # noqa: E402
 from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
-from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer, classify, context_length  # noqa: E402
 
 RATIO_GOAL = 0.98

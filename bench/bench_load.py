@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from datagen.redis_server import RedisServer  # noqa: E402
-from datagen.tokenizer import build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 
 PRODUCE = """
 import json, resource, time

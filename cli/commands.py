@@ -19,9 +19,6 @@ from cli.extraction import (
 )
 from cli.output import merge_all, print_json, print_summary, render_produce
 from config.settings import Settings, settings_fields
-from datagen import dead as dead_mod
-from datagen import handoff
-from datagen import status as status_mod
 from datagen.celery_app import make_app, worker_argv
 from datagen.generation.follower import follow
 from datagen.generation.guard import close, enqueue
@@ -29,7 +26,10 @@ from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
 from datagen.generation.merge import datasets_on_disk
-from datagen.training_set import extraction_dir
+from datagen.operations import dead as dead_mod
+from datagen.operations import status as status_mod
+from datagen.training import handoff
+from datagen.training.training_set import extraction_dir
 
 EXIT_BAD_INPUT = 3
 # The extraction phase's subcommands live in cli/extraction.py; main dispatches through here.
@@ -161,14 +161,14 @@ def cmd_flower(settings: Settings, args: argparse.Namespace) -> int:
         auth = f"datagen:{secrets.token_urlsafe(12)}"
         print(f"Flower login (generated, set flower_basic_auth to choose): {auth}",
               flush=True)
-    argv = [sys.executable, "-m", "datagen.flower", f"--port={args.port}",
+    argv = [sys.executable, "-m", "datagen.operations.flower", f"--port={args.port}",
             f"--address={args.address}", f"--basic-auth={auth}"]
     os.execv(argv[0], argv)
     return 1  # not reached
 
 
 def cmd_metrics(settings: Settings, args: argparse.Namespace) -> int:
-    from datagen.metrics import serve_metrics  # noqa: PLC0415
+    from datagen.operations.metrics import serve_metrics  # noqa: PLC0415
 
     serve_metrics(settings, args.address, args.port)
     return 0
@@ -176,7 +176,7 @@ def cmd_metrics(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_plot(settings: Settings, args: argparse.Namespace) -> int:
     try:
-        from datagen.plot import plot_run, run_budgets  # noqa: PLC0415
+        from datagen.operations.plot import plot_run, run_budgets  # noqa: PLC0415
     except ImportError as exc:
         print(f"datagen plot: needs matplotlib ({exc}); pip install 'datagen[plot]'",
               file=sys.stderr)

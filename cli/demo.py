@@ -21,13 +21,13 @@ from cli.extraction import cmd_extract, committed_maps, decoder
 from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
-from datagen import handoff
 from datagen.celery_app import make_app
 from datagen.generation.follower import follow
 from datagen.generation.ledger import Ledger
 from datagen.redis_server import RedisServer
-from datagen.tokenizer import ChatEncoder, build_tiny_tokenizer
-from datagen.training_set import extraction_dir, prepare, render
+from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer
+from datagen.training import handoff
+from datagen.training.training_set import extraction_dir, prepare, render
 
 DEMO_CONFIG = REPO / "config" / "demo.toml"
 # Small shards so the progress shows; the tiny model keeps the CPU forward to a few seconds.
@@ -98,7 +98,7 @@ def _produce_and_follow(started: float) -> int:
 def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
-    from datagen.tiny_model import build_tiny_llama  # noqa: PLC0415 (torch)
+    from datagen.builders.tiny_model import build_tiny_llama  # noqa: PLC0415 (torch)
 
     print("\nextraction: tiny random Llama as the target model, one gpu worker on the CPU",
           flush=True)

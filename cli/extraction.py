@@ -15,7 +15,6 @@ from typing import Any
 import redis
 
 from config.settings import Settings
-from datagen import draft_config, handoff, training_set
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.extraction import ledger as xlm
 from datagen.extraction import runner
@@ -29,6 +28,7 @@ from datagen.extraction.estimate import (
 from datagen.extraction.manifest import shard_name
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
+from datagen.training import draft_config, handoff, training_set
 
 EXIT_INCOMPLETE = 3  # something was dead-lettered (as `produce` does for bad input)
 LOST_AFTER_S = 3.0   # a shard seen nowhere this long had its message lost: send it again
@@ -60,7 +60,7 @@ def decoder(settings: Settings) -> Any:
     path = settings.tokenizer_path or settings.model_path
     if not path:
         return None
-    from datagen.tokenizer import ChatEncoder  # noqa: PLC0415
+    from datagen.tokenization.tokenizer import ChatEncoder  # noqa: PLC0415
 
     encoder = ChatEncoder(path, trust_remote_code=settings.trust_remote_code)
     # special tokens (eos, role markers) are the template's, not the assistant's text

@@ -6,10 +6,10 @@ import json
 from typing import Any
 
 from config.settings import Settings
-from datagen import dead as dead_mod
-from datagen import status as status_mod
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk, merge_dataset
+from datagen.operations import dead as dead_mod
+from datagen.operations import status as status_mod
 
 
 def print_json(data: Any) -> None:

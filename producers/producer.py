@@ -27,8 +27,8 @@ from datagen.generation.job import Job, PromptStore
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.generation.recovery import needs_rebuild, rebuild_dataset
-from datagen.progress import Progress, count_lines
-from datagen.tokenizer import ChatEncoder
+from datagen.operations.progress import Progress, count_lines
+from datagen.tokenization.tokenizer import ChatEncoder
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 
 log = logging.getLogger(__name__)

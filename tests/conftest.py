@@ -48,14 +48,14 @@ def redis_url(redis_server: RedisServer) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from datagen.tokenizer import build_tiny_tokenizer
+    from datagen.tokenization.tokenizer import build_tiny_tokenizer
 
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tok")
 
 
 @pytest.fixture(scope="session")
 def encoder(tokenizer_dir: Path) -> Any:
-    from datagen.tokenizer import ChatEncoder
+    from datagen.tokenization.tokenizer import ChatEncoder
 
     return ChatEncoder(tokenizer_dir)
 

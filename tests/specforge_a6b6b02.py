@@ -6,7 +6,8 @@ need no checkout.
   ``count_effective_feature_tokens`` counts on the offline path (loss-masked ids of the first
   ``max_length`` positions of every ``.ckpt``/``.ckpt.gz`` file, files in sorted order);
 - ``reference_mappings``: the rule of ``specforge/data/preprocessing.py``
-  ``process_token_dict_to_mappings``, computed another way than ``datagen/vocab_mapping.py``;
+  ``process_token_dict_to_mappings``, computed another way than
+  ``datagen/training/vocab_mapping.py``;
 - ``TRAIN_FLAGS`` are the options of ``specforge train`` (``specforge/cli.py``);
 - ``SCHEMA_FIELDS`` are the fields of the run-config sections the handoff writes
   (``specforge/config/schema.py``; every model has ``extra="forbid"``).

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from conftest import Stack, write_jsonl
 
+from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
 from datagen.generation.follower import follow
 from datagen.generation.records import iter_records, records_dir
-from datagen.tiktoken_fixture import build_tiktoken_tokenizer
-from datagen.tokenizer import ChatEncoder
+from datagen.tokenization.tokenizer import ChatEncoder
 from producers.producer import Producer
 
 

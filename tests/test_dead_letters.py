@@ -13,9 +13,9 @@ import requests
 from conftest import Stack, write_jsonl
 
 from cli.stack import REPO
-from datagen import dead
 from datagen.generation.follower import follow
-from datagen.metrics import render_metrics
+from datagen.operations import dead
+from datagen.operations.metrics import render_metrics
 from producers.producer import Producer
 
 SIM_CONTEXT = 400

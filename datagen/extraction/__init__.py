@@ -11,7 +11,7 @@
     files.py       shard input, sample validation, file layout and atomic writes
     manifest.py    per shard, the samples whose file is complete; extraction.json
 
-The shards themselves come from ``datagen prepare`` (datagen/training_set.py). Only
+The shards themselves come from ``datagen prepare`` (datagen/training/training_set.py). Only
 extractor.py, backends/, pipeline.py and files.py import torch (replica.py only in functions);
 importing this package does not.
 """

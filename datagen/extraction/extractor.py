@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from datagen import vocab_mapping as vm
 from datagen.errors import StorageError
 from datagen.extraction import backends
 from datagen.extraction.backends.hf import (
@@ -53,6 +52,7 @@ from datagen.extraction.files import (
 )
 from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
+from datagen.training import vocab_mapping as vm
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from datagen.handoff import kept_length, loss_mask
+from datagen.training.handoff import kept_length, loss_mask
 
 ROWS_PER_DIR = 2000
 TMP_MARK = ".tmp-"
@@ -83,8 +83,8 @@ def _ids_ok(ids: Any, vocab_size: int) -> bool:
 
 def prepare(line: int, rec: Any, max_length: int, overlong: str,
             vocab_size: int) -> Sample | Rejected:
-    """Validate one record and apply the length rule (datagen/handoff.py, the one SpecForge's
-    data.max_length agrees with); ids out of the vocab are rejected
+    """Validate one record and apply the length rule (datagen/training/handoff.py, the one
+    SpecForge's data.max_length agrees with); ids out of the vocab are rejected
     here because on CUDA they would trip a device-side assert that poisons the whole process."""
     if not isinstance(rec, dict):
         return Rejected(None, f"line {line}", f"not a JSON object: {rec}")

@@ -25,7 +25,7 @@ from datagen import keys
 from datagen.celery_app import EXTRACT_TASK
 from datagen.errors import BadInput
 from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger
-from datagen.training_set import extraction_dir
+from datagen.training.training_set import extraction_dir
 
 log = logging.getLogger(__name__)
 

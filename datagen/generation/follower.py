@@ -17,11 +17,11 @@ from typing import Any
 import redis
 from rich.live import Live
 
-from datagen import status as status_mod
 from datagen.errors import LedgerUnavailable
 from datagen.generation.guard import enqueue, on_closed
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
+from datagen.operations import status as status_mod
 
 STALL_SWEEP_S = 3.0
 OUTAGES = (LedgerUnavailable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)

@@ -84,7 +84,7 @@ def test_calibration_file_roundtrip(tmp_path):
 
 
 def test_calibrate_runs_the_extraction_forward(tmp_path):
-    from datagen.tiny_model import build_tiny_llama
+    from datagen.builders.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "m", 128, hidden_size=32, num_layers=4)
     from datagen.extraction.extractor import calibrate

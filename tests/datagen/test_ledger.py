@@ -10,10 +10,11 @@ import time
 import pytest
 
 from config.settings import Settings
-from datagen import keys, status
+from datagen import keys
 from datagen.celery_app import make_app
 from datagen.generation import guard
 from datagen.generation.ledger import Ledger, connect, length_model
+from datagen.operations import status
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
 from datagen.client import Generation
 from datagen.generation.job import Job, Prompt
 from datagen.generation.turns import Conversation, Stopped, generate_turns
-from datagen.tiktoken_fixture import build_tiktoken_tokenizer
-from datagen.tokenizer import ChatEncoder, ChatTemplateError
+from datagen.tokenization.tokenizer import ChatEncoder, ChatTemplateError
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is a budget?"},

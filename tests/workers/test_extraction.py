@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from datagen.builders.tiny_model import build_tiny_llama
 from datagen.errors import BadInput
 from datagen.extraction.estimate import InsufficientDiskSpace
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import TMP_MARK
 from datagen.extraction.manifest import load_done
-from datagen.tiny_model import build_tiny_llama
 
 VOCAB = 300
 HIDDEN = 64

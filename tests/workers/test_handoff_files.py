@@ -23,12 +23,12 @@ from specforge_a6b6b02 import (
 )
 
 from config.settings import Settings
-from datagen import handoff
-from datagen import vocab_mapping as vm
+from datagen.builders.tiny_model import INDEX_NAME, build_tiny_llama
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.manifest import load_done, shard_name
-from datagen.tiny_model import INDEX_NAME, build_tiny_llama
-from datagen.training_set import extraction_dir, prepare, read_manifest, training_dir
+from datagen.training import handoff
+from datagen.training import vocab_mapping as vm
+from datagen.training.training_set import extraction_dir, prepare, read_manifest, training_dir
 
 VOCAB = 300
 HIDDEN = 32
@@ -188,7 +188,7 @@ def test_length_rule_report_matches_what_extraction_kept(extracted):
 
 
 def handoff_lines(tset) -> list[str]:
-    from datagen.training_set import render
+    from datagen.training.training_set import render
 
     return render(tset).splitlines()
 

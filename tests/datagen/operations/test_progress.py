@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen import progress as progress_mod
-from datagen.progress import Progress, count_lines
+from datagen.operations import progress as progress_mod
+from datagen.operations.progress import Progress, count_lines
 
 
 class Terminal(io.StringIO):
@@ -37,7 +37,7 @@ def test_off_a_terminal_it_logs_lines_and_draws_nothing(monkeypatch: pytest.Monk
                                                         ) -> None:
     monkeypatch.setattr(progress_mod, "LOG_EVERY_S", 0.0)
     out = io.StringIO()
-    with caplog.at_level(logging.INFO, logger="datagen.progress"):
+    with caplog.at_level(logging.INFO, logger="datagen.operations.progress"):
         bar = Progress("extract", total=10, unit="shards", stream=out)
         bar.update(4)
         bar.close()

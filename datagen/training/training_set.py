@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from config.settings import Settings
-from datagen import handoff
 from datagen.errors import PermanentError
 from datagen.generation.merge import datasets_on_disk, merge_dataset
 from datagen.generation.records import (
@@ -42,7 +41,8 @@ from datagen.generation.records import (
     merged_path,
     write_atomic,
 )
-from datagen.progress import Progress
+from datagen.operations.progress import Progress
+from datagen.training import handoff
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
   set. Flower serves it without one; it names workers, queues and task counts.
   ``/healthcheck`` stays open: it answers "OK" and nothing else, for health probes.
 
-    python -m datagen.flower --port=5555 --address=127.0.0.1 --basic-auth=user:pass
+    python -m datagen.operations.flower --port=5555 --address=127.0.0.1 --basic-auth=user:pass
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.tokenizer import (
+from datagen.tokenization.tokenizer import (
     ChatEncoder,
     ChatTemplateError,
     build_tiny_tokenizer,
@@ -15,7 +15,7 @@ from datagen.tokenizer import (
 )
 from producers.reader import Prompt, discover_datasets, read_dataset
 
-DEMO = Path(__file__).resolve().parents[2] / "data" / "demo" / "partition"
+DEMO = Path(__file__).resolve().parents[3] / "data" / "demo" / "partition"
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello there"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2 = ?"}],

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from datagen import draft_config as dc
-from datagen import vocab_mapping as vm
 from datagen.generation.records import atomic_file
+from datagen.training import draft_config as dc
+from datagen.training import vocab_mapping as vm
 
 DRAFT_CONFIG_NAME = "draft_config.json"
 RUN_CONFIG_NAME = "specforge_train.json"

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from config.settings import Settings
 from datagen.generation.ledger import Ledger, connect
-from datagen.metrics import make_server, record_request, render_metrics
+from datagen.operations.metrics import make_server, record_request, render_metrics
 from datagen.redis_server import free_port
 
 GPU1 = "http://gpu1:30000"

@@ -12,7 +12,7 @@ from conftest import write_jsonl
 
 from config.settings import Settings
 from datagen.generation.records import merged_path
-from datagen.training_set import (
+from datagen.training.training_set import (
     TrainingSetChanged,
     extraction_dir,
     prepare,

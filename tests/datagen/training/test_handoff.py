@@ -10,9 +10,9 @@ import pytest
 from specforge_a6b6b02 import reference_mappings
 
 from config.settings import SettingsError, load_settings
-from datagen import draft_config as dc
-from datagen import vocab_mapping as vm
-from datagen.handoff import LengthCount, kept_length, loss_mask, online_row
+from datagen.training import draft_config as dc
+from datagen.training import vocab_mapping as vm
+from datagen.training.handoff import LengthCount, kept_length, loss_mask, online_row
 
 
 def tied_counter(rng: random.Random, n_tokens: int, vocab: int) -> Counter:
@@ -87,7 +87,8 @@ def test_draft_vocab_is_capped_at_a_smaller_target_vocab():
     assert vm.effective_draft_vocab(32000, 163840) == 32000
 
 
-TINY_LLAMA = {  # datagen/tiny_model.py's config.json (transformers 5 writes rope_parameters)
+# datagen/builders/tiny_model.py's config.json (transformers 5 writes rope_parameters)
+TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 1, "eos_token_id": 2, "head_dim": 16, "hidden_act": "silu",
     "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,

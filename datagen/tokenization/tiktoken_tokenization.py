@@ -1,6 +1,6 @@
 """A tiktoken-backed `PreTrainedTokenizer`, shaped like Kimi-K2's `TikTokenTokenizer`.
 
-This file is not imported by the package: `datagen.tiktoken_fixture` copies it into a
+This file is not imported by the package: `datagen.builders.tiktoken_fixture` copies it into a
 tokenizer folder as `tokenization_tiny_tiktoken.py`, and `tokenizer_config.json`'s `auto_map`
 points `AutoTokenizer` at its class, so transformers loads it as a checkpoint's own code
 (only with `trust_remote_code=True`), exactly as it loads Kimi-K2.5's tokenizer.

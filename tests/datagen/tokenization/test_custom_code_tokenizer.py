@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from config.settings import load_settings
-from datagen.tiktoken_fixture import CLASS_NAME, MODULE_NAME, build_tiktoken_tokenizer
-from datagen.tokenizer import ChatEncoder, TokenizerError, build_tiny_tokenizer
+from datagen.builders.tiktoken_fixture import CLASS_NAME, MODULE_NAME, build_tiktoken_tokenizer
+from datagen.tokenization.tokenizer import ChatEncoder, TokenizerError, build_tiny_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Explain the budget of a dataset, please."}]

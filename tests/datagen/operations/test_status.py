@@ -12,8 +12,8 @@ import time
 
 from cli.stack import REPO
 from config.settings import Settings
-from datagen import status
 from datagen.generation.ledger import Ledger, connect
+from datagen.operations import status
 
 
 def test_eta_is_whichever_ends_first_the_budget_or_the_samples(redis_url: str) -> None:

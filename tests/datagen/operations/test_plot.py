@@ -10,7 +10,7 @@ import pytest
 from config.settings import Settings
 from datagen.generation.ledger import Ledger, connect
 from datagen.generation.records import records_dir
-from datagen.plot import load_series, plot_run, run_budgets
+from datagen.operations.plot import load_series, plot_run, run_budgets
 from datagen.redis_server import free_port
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

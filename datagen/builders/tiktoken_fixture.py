@@ -5,8 +5,8 @@ Kimi-K2.x ships its tokenizer as code: `tokenizer_config.json` maps `AutoTokeniz
 built from the `tiktoken.model` ranks, and transformers loads it only with
 `trust_remote_code=True`. `build_tiktoken_tokenizer` writes a small folder of the same
 structure, fully offline: ranks from the tiny tokenizer's BPE merges (trained in code), the
-class of `datagen/tiktoken_tokenization.py`, and a chat template with Kimi's role markers and a
-thinking switch read from the template kwargs (`thinking`, true by default):
+class of `datagen/tokenization/tiktoken_tokenization.py`, and a chat template with Kimi's role
+markers and a thinking switch read from the template kwargs (`thinking`, true by default):
 
     <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
     <|im_assistant|>assistant<|im_middle|><think>            (thinking on)
@@ -48,8 +48,8 @@ CHAT_TEMPLATE = r"""{%- for message in messages -%}
 
 def _ranks(vocab_size: int) -> dict[bytes, int]:
     """Byte-level BPE ranks: the 256 bytes, then the tiny tokenizer's merges in their order."""
-    from datagen.tiktoken_tokenization import byte_to_unicode
-    from datagen.tokenizer import _train_bpe
+    from datagen.tokenization.tiktoken_tokenization import byte_to_unicode
+    from datagen.tokenization.tokenizer import _train_bpe
 
     spelled = {ch: b for b, ch in byte_to_unicode().items()}
     vocab = _train_bpe(vocab_size).get_vocab(with_added_tokens=False)
@@ -70,7 +70,7 @@ def build_tiktoken_tokenizer(out_dir: Path, vocab_size: int = 2048) -> Path:
     with open(out_dir / "tiktoken.model", "w", encoding="ascii") as fh:
         for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
             fh.write(f"{base64.b64encode(token).decode()} {rank}\n")
-    source = resources.files("datagen").joinpath("tiktoken_tokenization.py")
+    source = resources.files("datagen.tokenization").joinpath("tiktoken_tokenization.py")
     with resources.as_file(source) as path:
         shutil.copyfile(path, out_dir / f"{MODULE_NAME}.py")
     config = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from config.settings import Settings
-from datagen import dead
 from datagen.generation.ledger import Ledger, connect
+from datagen.operations import dead
 
 TOO_LONG = "The input ({n} tokens) is longer than the model's context length (400 tokens)."
 UNAVAILABLE = ("server unavailable after 4 tries: HTTP 503: rid 9f3a2b1c0d4e5f60 "
