@@ -95,6 +95,9 @@ def _produce_and_follow(started: float) -> int:
     return 0
 
 
+DEMO_LAYERS = 8
+
+
 def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
@@ -103,7 +106,9 @@ def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
     print("\nextraction: tiny random Llama as the target model, one gpu worker on the CPU",
           flush=True)
     hf_logging.disable_progress_bar()
-    build_tiny_llama(workdir / "model", vocab_size, tokenizer_dir=tokenizer)
+    # 8 layers, so SpecForge's default aux layers [1, N//2-1, N-4] are three different ones
+    # ([1, 3, 4]), as on every real target; 6 would train the drafter on [1, 2, 2].
+    build_tiny_llama(workdir / "model", vocab_size, num_layers=DEMO_LAYERS, tokenizer_dir=tokenizer)
 
 
 def _extract(started: float) -> int:

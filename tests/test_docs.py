@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -223,3 +224,7 @@ def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
     extracted = list((work / "output" / "training" / "hidden_states").rglob("data_*.ckpt"))
     assert extracted, result.stdout[-2000:]
     assert (work / "output" / "training" / "hidden_states" / "vocab_mapping.pt").is_file()
+    # the demo's drafter trains on three different layers, as on a real target
+    aux = json.loads((work / "output" / "training" / "hidden_states" / "extraction.json")
+                     .read_text())["aux_layer_ids"]
+    assert len(set(aux)) == 3, aux
