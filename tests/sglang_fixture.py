@@ -1,0 +1,167 @@
+"""One real SGLang server per test run, shared by every pytest-xdist process.
+
+A server takes 1-3 minutes and ~4 GB to start on 2 cores, so the suite starts each kind once:
+the first process that needs it builds the tiny model and launches it under a file lock in the
+run's folder (``$DATAGEN_TEST_RUN_DIR``, made by the controlling pytest process before its
+workers start, so all of them see it), writes its URL and PID there, and every process waits
+for ``/health`` 200. The controlling process stops every server by its PID when the run ends
+(``stop_all``), whichever process started it. Nothing stands in for SGLang here.
+
+When the whole suite or the real-server tests are run, the controller launches the default
+server at once (``wants_real_sglang``), so its start-up overlaps the other tests.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cli import sglang
+
+RUN_DIR_ENV = "DATAGEN_TEST_RUN_DIR"
+REAL_TESTS = Path(__file__).resolve().parent / "real_sglang"
+
+
+@dataclass(frozen=True)
+class RealServer:
+    """A running real SGLang server: its URL, PID, log and request log folder."""
+
+    name: str
+    url: str
+    pid: int
+    log: Path
+    request_log_dir: Path
+    model_dir: Path
+    context_length: int | None
+    health_codes: list[int] = field(default_factory=list)  # what /health answered on the way
+
+    def alive(self) -> bool:
+        return _alive(self.pid)
+
+    def request_log(self) -> list[dict]:
+        """The server's own request log (``--log-requests``, JSON lines)."""
+        rows = []
+        for path in sorted(self.request_log_dir.glob("*")):
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith("{"):
+                    rows.append(json.loads(line))
+        return rows
+
+
+def run_dir() -> Path:
+    return Path(os.environ[RUN_DIR_ENV])
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def skip_or_fail(reason: str) -> None:
+    """A host that cannot run SGLang skips with one line; in CI that is a failure."""
+    if in_ci():
+        pytest.fail(f"CI must run the real-SGLang tests: {reason}", pytrace=False)
+    pytest.skip(f"real SGLang unavailable: {reason}")
+
+
+def wants_real_sglang(args: list[str], rootdir: Path) -> bool:
+    """True when the run's paths include the real-server tests (no paths: the suite)."""
+    if os.environ.get("DATAGEN_REAL_SGLANG") == "0" or sglang.unavailable_reason():
+        return False
+    paths = [Path(a.split("::")[0]) for a in args if not a.startswith("-")]
+    if not paths:
+        return True
+    for path in paths:
+        resolved = (path if path.is_absolute() else rootdir / path).resolve()
+        if resolved == REAL_TESTS or REAL_TESTS in resolved.parents or \
+                resolved in REAL_TESTS.parents:
+            return True
+    return False
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    with open(run_dir() / f"{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _model() -> Path:
+    where = run_dir() / "sglang-model"
+    with _locked("sglang-model"):
+        if not (where / "model" / "config.json").is_file():
+            sglang.build_model(where)
+    return where / "model"
+
+
+def launch(name: str, context_length: int | None = None) -> RealServer:
+    """The run's server called ``name``, launched now unless some process did already."""
+    state = run_dir() / f"sglang-{name}.json"
+    with _locked(f"sglang-{name}"):
+        if not state.is_file():
+            model = _model()
+            requests_dir = run_dir() / f"sglang-{name}-requests"
+            requests_dir.mkdir(exist_ok=True)
+            proc, url = sglang.start_sglang(model, run_dir() / "logs", f"sglang-{name}",
+                                            context_length, requests_dir)
+            state.write_text(json.dumps({
+                "name": name, "url": url, "pid": proc.pid, "log": str(proc.log_path),
+                "request_log_dir": str(requests_dir), "model_dir": str(model),
+                "context_length": context_length}))
+        info = json.loads(state.read_text())
+    return RealServer(**{**info, "log": Path(info["log"]), "model_dir": Path(info["model_dir"]),
+                         "request_log_dir": Path(info["request_log_dir"])})
+
+
+def healthy(name: str, context_length: int | None = None) -> RealServer:
+    """The run's server ``name``, healthy; skipped (failed in CI) where SGLang cannot run."""
+    reason = sglang.unavailable_reason()
+    if reason:
+        skip_or_fail(reason)
+    server = launch(name, context_length)
+    codes: list[int] = []
+    sglang.wait_healthy(server.url, server.alive, server.log, codes=codes)
+    return RealServer(**{**server.__dict__, "health_codes": codes})
+
+
+def stop_all(where: Path) -> None:
+    """Stop every server of the run by its PID (its whole process group), SIGKILL after 30 s."""
+    pids = [json.loads(p.read_text())["pid"] for p in where.glob("sglang-*.json")]
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) is not alive either
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
