@@ -9,6 +9,11 @@ for ``/health`` 200. The controlling process stops every server by its PID when 
 
 When the whole suite or the real-server tests are run, the controller launches the default
 server at once (``wants_real_sglang``), so its start-up overlaps the other tests.
+
+While working on these tests, ``export DATAGEN_TEST_RUN_DIR=/some/folder`` keeps the servers
+between pytest runs: a folder given from outside is not the run's to clean up, so its servers
+stay up and the next run finds them (stop them with ``kill -- -<pid>``, the PID in
+``sglang-*.json``).
 """
 
 from __future__ import annotations
@@ -109,6 +114,8 @@ def launch(name: str, context_length: int | None = None) -> RealServer:
     """The run's server called ``name``, launched now unless some process did already."""
     state = run_dir() / f"sglang-{name}.json"
     with _locked(f"sglang-{name}"):
+        if state.is_file() and not _alive(json.loads(state.read_text())["pid"]):
+            state.unlink()  # a server of an earlier run in a kept folder, gone since
         if not state.is_file():
             model = _model()
             requests_dir = run_dir() / f"sglang-{name}-requests"
