@@ -110,9 +110,13 @@ def _model() -> Path:
     return where / "model"
 
 
-def launch(name: str, context_length: int | None = None) -> RealServer:
-    """The run's server called ``name``, launched now unless some process did already."""
+def launch(name: str, context_length: int | None = None,
+           watched: bool = False) -> tuple[RealServer, bool]:
+    """The run's server called ``name``, launched now unless some process did already;
+    and whether this call launched it. ``watched``: the launcher will record what /health
+    answers during the start-up."""
     state = run_dir() / f"sglang-{name}.json"
+    launched = False
     with _locked(f"sglang-{name}"):
         if state.is_file() and not _alive(json.loads(state.read_text())["pid"]):
             state.unlink()  # a server of an earlier run in a kept folder, gone since
@@ -125,10 +129,12 @@ def launch(name: str, context_length: int | None = None) -> RealServer:
             state.write_text(json.dumps({
                 "name": name, "url": url, "pid": proc.pid, "log": str(proc.log_path),
                 "request_log_dir": str(requests_dir), "model_dir": str(model),
-                "context_length": context_length}))
+                "context_length": context_length, "watched": watched}))
+            launched = True
         info = json.loads(state.read_text())
+    info.pop("watched", None)
     return RealServer(**{**info, "log": Path(info["log"]), "model_dir": Path(info["model_dir"]),
-                         "request_log_dir": Path(info["request_log_dir"])})
+                         "request_log_dir": Path(info["request_log_dir"])}), launched
 
 
 def healthy(name: str, context_length: int | None = None) -> RealServer:
@@ -136,9 +142,18 @@ def healthy(name: str, context_length: int | None = None) -> RealServer:
     reason = sglang.unavailable_reason()
     if reason:
         skip_or_fail(reason)
-    server = launch(name, context_length)
+    server, launched = launch(name, context_length, watched=True)
+    # Only the launcher saw the start-up; it leaves what /health answered for the others.
+    seen = run_dir() / f"sglang-{name}.health.json"
     codes: list[int] = []
     sglang.wait_healthy(server.url, server.alive, server.log, codes=codes)
+    if launched:
+        seen.write_text(json.dumps(codes))
+    state = json.loads((run_dir() / f"sglang-{name}.json").read_text())
+    deadline = time.monotonic() + (60 if state.get("watched") else 0)
+    while not seen.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)  # the launcher saw 200 too and is writing it
+    codes = json.loads(seen.read_text()) if seen.is_file() else []
     return RealServer(**{**server.__dict__, "health_codes": codes})
 
 
