@@ -126,8 +126,7 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     send = xlm.nowhere(todo, xl, EXTRACT_TASK)
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)
-    for s in send:
-        runner.send_shard(app, s.path)
+    runner.enqueue(app, xl, [s.path for s in send])
     print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
           f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
           flush=True)
@@ -191,12 +190,12 @@ def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.Shard
 
 def _resend_lost(xl: xlm.ExtractionLedger, app: Any, todo: list[xlm.ShardState],
                  nowhere_since: dict[str, float], now: float) -> dict[str, float]:
-    """A worker killed mid-shard took its message (early ack): once its lease lapses the
-    shard is nowhere. Seen so for a few seconds in a row, it is sent again."""
+    """A shard to do with no ledger entry at all (Redis lost it: every shard sent has one,
+    and the reaper sends those again). Seen so for a few seconds in a row, it is sent again."""
     since = {s.path: nowhere_since.get(s.path, now) for s in xlm.nowhere(todo, xl, EXTRACT_TASK)}
     for path, first_seen in list(since.items()):
         if now - first_seen > LOST_AFTER_S:
-            runner.send_shard(app, path, retry=True)
+            runner.enqueue(app, xl, [path], retry=True)
             print(f"{path}: not done, not running, not queued: enqueued again", flush=True)
             del since[path]
     return since

@@ -113,10 +113,13 @@ EXTRACT_DEAD_SAMPLES = EXTRACT_PREFIX + "dead_samples"
 EXTRACT_PROGRESS = EXTRACT_PREFIX + "progress"
 # STRING worker id with a TTL (settings.lease_s), refreshed while the worker runs the shard.
 EXTRACT_LEASE = EXTRACT_PREFIX + "lease:"
-# HASH shard path -> JSON {tries, owner, since, not_before, requeued_at}: shards taken, not yet
-#   done or dead. An entry with an owner but no lease is a run that died (worker or rank
-#   killed): the reaper re-enqueues it ahead of fresh shards, or dead-letters it after
-#   extract_max_retries such runs. Deleted by done/dead.
+# HASH shard path -> JSON {tries, owner, since, not_before, sent, sent_at, requeued_at,
+#   requeued_by}: shards sent or taken, not yet done or dead. Written before each message is
+#   sent (``sent`` until a run takes it: the gpu queue has no acks, so this is the only trace
+#   of a message a worker took). An entry with an owner but no lease is a run that died
+#   (worker or rank killed); one ``sent`` over a lease ago, neither queued nor leased, lost its
+#   message with the worker that took it: the reaper re-enqueues both ahead of fresh shards,
+#   and dead-letters a shard after extract_max_retries dead runs. Deleted by done/dead.
 EXTRACT_RUNNING = EXTRACT_PREFIX + "running"
 # STRING owner id with a TTL of one second: the one gpu worker reaping stale shards now.
 EXTRACT_REAPER_LOCK = EXTRACT_PREFIX + "reaper_lock"
