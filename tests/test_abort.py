@@ -1,6 +1,6 @@
 """Abort at close by exact rid (SGLang 0.5.23 matches ``/abort_request`` rids exactly): on
 every kind of close, each request in flight is aborted by its rid on its server, so none
-runs to completion and none is counted;
+runs to completion and none is counted; and the reaper aborts a killed worker's requests.
 
 The simulator answers as SGLang does by default (an unknown rid, or a prefix, aborts
 nothing), and its request log shows every start, finish and abort with its rid and time.
@@ -17,6 +17,7 @@ from typing import Any
 
 from conftest import Stack, wait_until
 from test_budget import close_times, partition, records
+from test_chaos import owned_by
 
 from cli.stack import REPO
 from datagen.generation import guard
@@ -141,3 +142,28 @@ def test_max_samples_reached_aborts_the_requests_still_in_flight(stack: Stack) -
     assert ledger.closed("B1") == "max_samples" and len(aborted) >= 6
     assert ledger.snapshot("B1")["stats"]["samples"] == 1
 
+
+def test_the_reaper_aborts_a_killed_workers_requests_on_the_server(stack: Stack) -> None:
+    # Given: a worker with long requests in flight, and a second one whose reaper runs
+    stack.start_simulator(*LONG)
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 12})),
+                               short_concurrency=4, short_max_tokens=3000)
+    victim = stack.worker("short", name="victim@%h")
+    stack.worker("short", name="survivor@%h")
+    stack.wait_workers(2)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: sum(owned_by(e, victim) for e in ledger.in_flight("B1").values()) == 4
+               and len(started(stack)) == 8, 60, what="both workers' requests running")
+    lost = {e["rid"] for e in ledger.in_flight("B1").values() if owned_by(e, victim)}
+
+    # When: the victim is killed with SIGKILL mid-request, and its leases go stale
+    victim.kill()
+
+    # Then: the survivor's reaper aborted each of the victim's requests by its rid (they
+    # would decode on to their caps beside their re-runs), and re-enqueued their samples
+    def aborted() -> set[str]:
+        return {e["rid"] for e in stack.sim_log() if e["event"] == "abort"}
+    wait_until(lambda: lost <= aborted(), 60, what="the dead worker's requests aborted")
+    assert not lost & {e["rid"] for e in stack.sim_log() if e["event"] == "finish"}
+    assert ledger.snapshot("B1")["stats"]["reaped"] >= len(lost)
