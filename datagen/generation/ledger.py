@@ -59,6 +59,8 @@ class Reclaimed:
     sample: str
     payload: str  # "" when nothing is to be re-enqueued (closed dataset, no pending)
     worker: str
+    rid: str = ""
+    server: str = ""  # masked, as the entry holds it
 
 
 def _script(name: str) -> str:
@@ -211,7 +213,7 @@ class Ledger:
         ks = [self.k(dataset, p) for p in (keys.INFLIGHT, keys.BUCKETS, keys.LEASES,
                                             keys.PENDING, keys.STATS, keys.CLOSED)]
         flat = self._run("reap", ks, [REAP_BATCH])
-        return [Reclaimed(dataset, *flat[i:i + 3]) for i in range(0, len(flat), 3)]
+        return [Reclaimed(dataset, *flat[i:i + 5]) for i in range(0, len(flat), 5)]
 
     def unpark(self, dataset: str, count: int = 0) -> list[str]:
         """Wake ``count`` parked samples (0: all); returns their payloads to enqueue."""
