@@ -11,8 +11,9 @@ Rules, in order: records without token ids are dropped (old format); truncated r
 dropped when ``keep_truncated`` is off; an id already taken by an earlier dataset (datasets in
 name order) is a collision and the later copy is dropped; what is left is sorted by
 (dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
-settings give byte-identical files. Only an index (file, offset) is held in memory; records are
-read back one at a time when the shards are written.
+settings give byte-identical files. Only an index is held in memory, in flat columns (``_Table``:
+dataset, offset, token counts, line digest and id, ~80 bytes a sample); records are read back
+one at a time when the shards are written.
 
 Extraction names its output files by ``idx`` and resumes by (dataset, id), so a training set
 must not change under a started extraction: ``prepare`` refuses when the new set differs from
@@ -25,14 +26,19 @@ import hashlib
 import json
 import logging
 import random
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+import numpy as np
+
 from config.settings import Settings
 from datagen.errors import PermanentError
+from datagen.generation.columns import Ids, frozen, groups, id_order
+from datagen.generation.committed import Committed
 from datagen.generation.merge import datasets_on_disk, merge_dataset
 from datagen.generation.records import (
     atomic_file,
@@ -122,16 +128,17 @@ class TrainingSet:
         return sum(d.tokens for d in self.datasets)
 
 
-def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None],
+def prepare(settings: Settings,
+            committed: Mapping[str, Mapping[str, str] | Committed | None],
             decode: Decode | None, force: bool = False) -> TrainingSet:
     """Merge, filter, deduplicate, shuffle and write the shards, conversations and manifest.
 
     ``committed``: per dataset the ledger's done map (None when Redis is not reachable: every
     record on disk counts). ``decode``: token ids -> text, or None to skip conversations."""
     out = Path(settings.output_dir)
-    counts, entries, collisions = _index(settings, committed)
-    order = _shuffled(entries, settings.shuffle_seed)
-    tset = TrainingSet(counts, collisions, fingerprint=_fingerprint(order, settings))
+    counts, table, collisions = _index(settings, committed)
+    order = _shuffled(table, settings.shuffle_seed)
+    tset = TrainingSet(counts, collisions, fingerprint=_fingerprint(table, order, settings))
     folder = training_dir(out)
     _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
     tset.directory = str(folder)
@@ -141,7 +148,7 @@ def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None
     with (_Reader(out) as reader, atomic_file(rows_path) as rows,
           atomic_file(conversations_path) if decode else nullcontext() as conversations):
         besides = _Besides(settings, tset.lengths, rows, conversations, decode)
-        tset.shards = _write_shards(out, order, settings.shard_samples, reader, besides)
+        tset.shards = _write_shards(out, table, order, settings.shard_samples, reader, besides)
     tset.online_rows = str(rows_path)
     if decode is not None:
         tset.conversations = str(conversations_path)
@@ -172,31 +179,89 @@ class _Besides:
             self.conversations.write(_conversation_line(record, self.decode))
 
 
-def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | None]
-           ) -> tuple[list[DatasetCount], list[Entry], list[tuple[str, str, str]]]:
+class _Table:
+    """The admitted samples of every dataset, one row each in flat columns (no object per
+    sample): rows in (dataset in name order, line of its merged file) order."""
+
+    def __init__(self) -> None:
+        self.datasets: list[str] = []
+        self.dataset = array("I")
+        self.offset = array("Q")
+        self.prompt_tokens = array("Q")
+        self.output_tokens = array("Q")
+        self.key = array("q")  # hash(id), this process's: rows that may share an id
+        self.digests = bytearray()  # sha256 of each line, 32 bytes a row
+        self.ids = Ids()
+        self.kept = np.zeros(0, dtype=np.int64)  # rows left once collisions are dropped
+
+    def add(self, dataset: int, entry: Entry) -> None:
+        self.dataset.append(dataset)
+        self.offset.append(entry.offset)
+        self.prompt_tokens.append(entry.prompt_tokens)
+        self.output_tokens.append(entry.output_tokens)
+        self.key.append(hash(entry.id))
+        self.digests += bytes.fromhex(entry.digest)
+        self.ids.add(entry.id)
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def entry(self, row: int) -> Entry:
+        return Entry(self.datasets[self.dataset[row]], self.ids.get(row), self.offset[row],
+                     self.prompt_tokens[row], self.output_tokens[row],
+                     self.digests[32 * row:32 * row + 32].hex())
+
+    def tokens(self, rows: np.ndarray) -> int:
+        return int(frozen(self.prompt_tokens, np.uint64)[rows].sum()
+                   + frozen(self.output_tokens, np.uint64)[rows].sum())
+
+
+def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Committed | None]
+           ) -> tuple[list[DatasetCount], _Table, list[tuple[str, str, str]]]:
     counts: list[DatasetCount] = []
-    entries: list[Entry] = []
-    owner: dict[str, str] = {}
-    collisions: list[tuple[str, str, str]] = []
-    for dataset in datasets_on_disk(settings.output_dir):
+    table = _Table()
+    for number, dataset in enumerate(datasets_on_disk(settings.output_dir)):
         merged = merge_dataset(settings.output_dir, dataset, committed.get(dataset))
         count = DatasetCount(dataset, records=merged.records, uncommitted=merged.uncommitted,
                              copies=merged.duplicates)
+        table.datasets.append(dataset)
         for offset, record in _scan(merged_path(settings.output_dir, dataset)):
             entry = _admit(record, offset, count, settings.keep_truncated)
             if entry is None:
                 continue
-            if entry.id in owner:
-                count.collisions += 1
-                collisions.append((entry.id, owner[entry.id], dataset))
-                continue
-            owner[entry.id] = dataset
             count.samples += 1
             count.prompt_tokens += entry.prompt_tokens
             count.output_tokens += entry.output_tokens
-            entries.append(entry)
+            table.add(number, entry)
         counts.append(count)
-    return counts, entries, collisions
+    collisions = _drop_collisions(table, counts)
+    return counts, table, collisions
+
+
+def _drop_collisions(table: _Table, counts: list[DatasetCount]) -> list[tuple[str, str, str]]:
+    """An id admitted by an earlier dataset drops the later copies: their rows leave the
+    table's ``kept`` and their counts their dataset's. Returns (id, kept in, dropped from) in
+    the order the dropped copies come."""
+    alone, shared, starts = groups(frozen(table.key, np.int64))
+    dropped: list[tuple[int, str, str, str]] = []
+    bounds = [*starts.tolist(), len(shared)]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        owner: dict[bytes, int] = {}
+        for row in sorted(shared[a:b].tolist()):
+            first = owner.setdefault(table.ids.raw(row), row)
+            if first != row:  # the same id (not only the same hash) in an earlier dataset
+                e = table.entry(row)
+                dropped.append((row, e.id, table.datasets[table.dataset[first]], e.dataset))
+                count = counts[table.dataset[row]]
+                count.collisions += 1
+                count.samples -= 1
+                count.prompt_tokens -= e.prompt_tokens
+                count.output_tokens -= e.output_tokens
+    dropped.sort()
+    kept = np.ones(len(table), dtype=bool)
+    kept[[row for row, *_ in dropped]] = False
+    table.kept = np.flatnonzero(kept)
+    return [(sid, owner_ds, ds) for _, sid, owner_ds, ds in dropped]
 
 
 def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
@@ -225,17 +290,31 @@ def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
                  len(record["output_ids"]), digest)
 
 
-def _shuffled(entries: list[Entry], seed: int) -> list[Entry]:
+def _shuffled(table: _Table, seed: int) -> np.ndarray:
+    """The kept rows sorted by (dataset, id), then shuffled as ``random.Random(seed).shuffle``
+    shuffles a list of them."""
     # sorted first: the order does not depend on merge order or on the datasets' listing
-    order = sorted(entries, key=lambda e: (e.dataset, e.id))
-    random.Random(seed).shuffle(order)
-    return order
+    rows = id_order(frozen(table.dataset, np.uint32).astype(np.int64), table.ids, table.kept)
+    return rows[shuffle_order(len(rows), seed)]
 
 
-def _fingerprint(order: Sequence[Entry], settings: Settings) -> str:
+def shuffle_order(n: int, seed: int) -> np.ndarray:
+    """The permutation ``random.Random(seed).shuffle`` makes of n items (its own loop, on an
+    array of 8 bytes an item instead of a list of objects)."""
+    perm = array("q", range(n))
+    randbelow = random.Random(seed)._randbelow  # what Random.shuffle draws with
+    for i in reversed(range(1, n)):
+        j = randbelow(i + 1)
+        perm[i], perm[j] = perm[j], perm[i]
+    return frozen(perm, np.int64)
+
+
+def _fingerprint(table: _Table, order: np.ndarray, settings: Settings) -> str:
     h = hashlib.sha256(f"v{MANIFEST_VERSION} shard_samples={settings.shard_samples}\n".encode())
-    for e in order:
-        h.update(f"{e.dataset}\t{e.id}\t{e.digest}\n".encode())
+    names = [name.encode() for name in table.datasets]
+    for row in order.tolist():
+        h.update(b"%s\t%s\t%s\n" % (names[table.dataset[row]], table.ids.raw(row),
+                                     table.digests[32 * row:32 * row + 32].hex().encode()))
     return h.hexdigest()
 
 
@@ -277,7 +356,7 @@ class _Reader:
             fh.close()
 
 
-def _write_shards(out: Path, order: list[Entry], per_shard: int, reader: _Reader,
+def _write_shards(out: Path, table: _Table, order: np.ndarray, per_shard: int, reader: _Reader,
                   besides: Callable[[Entry, dict[str, Any]], None]) -> list[dict[str, Any]]:
     shards = []
     progress = Progress("prepare: shards", len(order), "samples")
@@ -285,12 +364,11 @@ def _write_shards(out: Path, order: list[Entry], per_shard: int, reader: _Reader
         chunk = order[start:start + per_shard]
         rel = shard_relpath(number)
         digest = hashlib.sha256()
-        lines = (_shard_line(start + i, _read(reader, e, besides), digest)
-                 for i, e in enumerate(chunk))
+        lines = (_shard_line(start + i, _read(reader, table.entry(row), besides), digest)
+                 for i, row in enumerate(chunk.tolist()))
         write_atomic(out / rel, lines)
         shards.append({"path": rel, "first_idx": start, "samples": len(chunk),
-                       "tokens": sum(e.prompt_tokens + e.output_tokens for e in chunk),
-                       "sha256": digest.hexdigest()})
+                       "tokens": table.tokens(chunk), "sha256": digest.hexdigest()})
         progress.update(len(chunk))
     progress.close()
     keep = {Path(s["path"]).name for s in shards}
