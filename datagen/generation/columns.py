@@ -11,11 +11,12 @@ key (a hash of the id), which the callers then look at one small group at a time
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 
-CHUNK = 24  # bytes of an id compared per step of ``id_order``
-_ROWS_PER_GATHER = 65_536  # rows gathered at once: 65,536 x 24 x 8 bytes of indices
+CHUNK = 8  # bytes of an id compared per step of ``id_order`` (8: ~10 bytes a row per step)
+_ROWS_PER_GATHER = 65_536  # rows gathered at once: 65,536 x 8 x 8 bytes of indices
 
 
 class Ids:
@@ -40,11 +41,13 @@ class Ids:
         return self.raw(row).decode("utf-8", "surrogatepass")
 
     def chunk(self, rows: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Bytes [step*CHUNK, (step+1)*CHUNK) of each row's id, zero-padded (as S24), and how
+        """Bytes [step*CHUNK, (step+1)*CHUNK) of each row's id, zero-padded (as S8), and how
         many of them the id has (0..CHUNK)."""
-        ends = np.frombuffer(self.ends, dtype=np.uint64).astype(np.int64)
-        starts = np.concatenate(([0], ends[:-1]))[rows] + step * CHUNK
-        have = np.clip(ends[rows] - starts, 0, CHUNK)
+        ends = np.frombuffer(self.ends, dtype=np.uint64)
+        starts = np.where(rows > 0, ends[np.maximum(rows - 1, 0)], 0).astype(np.int64)
+        starts[rows == 0] = 0
+        starts += step * CHUNK
+        have = np.clip(ends[rows].astype(np.int64) - starts, 0, CHUNK).astype(np.uint8)
         buf = np.frombuffer(self.buf, dtype=np.uint8) if self.buf else np.zeros(1, np.uint8)
         out = np.zeros((len(rows), CHUNK), dtype=np.uint8)
         cols = np.arange(CHUNK)
@@ -115,6 +118,13 @@ def batches(starts: np.ndarray, total: int, size: int) -> list[tuple[int, int]]:
         out.append((a, b))
         a = b
     return out
+
+
+def each(rows: np.ndarray, step: int = _ROWS_PER_GATHER) -> Iterator[int]:
+    """The rows as Python ints, a slice at a time (``rows.tolist()`` whole would cost 36 bytes
+    a row: a list slot and an int object each)."""
+    for a in range(0, len(rows), step):
+        yield from rows[a:a + step].tolist()
 
 
 def frozen(column: array, dtype: type | str) -> np.ndarray:

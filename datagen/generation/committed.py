@@ -75,7 +75,7 @@ class Committed:
             wanted += sid_digest(sid)
         if not wanted:
             return np.zeros(0, dtype=bool)
-        q = np.frombuffer(bytes(wanted), dtype="S16")
+        q = np.frombuffer(wanted, dtype="S16")
         if not len(self._keys):
             return np.zeros(len(q), dtype=bool)
         at = np.minimum(np.searchsorted(self._keys, q), len(self._keys) - 1)

@@ -12,6 +12,7 @@ Streamed in two passes (``index``): memory grows with the number of records by
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from datagen.errors import StorageError
-from datagen.generation.columns import frozen, id_order
+from datagen.generation.columns import each, frozen, id_order
 from datagen.generation.committed import Committed
 from datagen.generation.index import LineReader, RecordIndex, build_index, choose_rows
 from datagen.generation.records import merged_path, records_dir, write_atomic
@@ -49,8 +50,9 @@ def merge_dataset(output_dir: str | Path, dataset: str,
     ix = build_index(records_dir(output_dir, dataset), merging=True)
     report.problems = [str(p) for p in ix.problems]
     rows, _, report.duplicates = choose_rows(ix, done)
+    ix.key = array("q")  # not needed any more: 8 bytes a record back before the sort
     if done is not None and not include_uncommitted:
-        counted = done.contains_all(ix.ids.get(row) for row in rows.tolist())
+        counted = done.contains_all(ix.ids.get(row) for row in each(rows))
         report.uncommitted = int(len(rows) - counted.sum())
         rows = rows[counted]
     time = frozen(ix.time, np.float64)
@@ -76,7 +78,7 @@ def _check_times(ix: RecordIndex, rows: np.ndarray, time: np.ndarray) -> None:
 
 
 def _lines(ix: RecordIndex, rows: np.ndarray, reader: LineReader) -> Iterator[str]:
-    for row in rows.tolist():
+    for row in each(rows):
         path, offset, size = ix.where(row)
         yield reader.line_at(path, offset, size, bool(ix.verbatim[row]), repr(ix.ids.get(row)))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from datagen import keys
+from datagen.generation.columns import each
 from datagen.generation.index import LineReader, RecordIndex, build_index, choose_rows, entry
 from datagen.generation.ledger import Ledger
 from datagen.generation.records import records_dir
@@ -83,7 +84,7 @@ def _counted(ledger: Ledger, ix: RecordIndex, rows: np.ndarray, out: Rebuilt,
     """(sample id, "rid tokens") of each chosen record whose tokens are known, read back
     in file order; the stats and completions are filled on the way."""
     with LineReader() as reader:
-        for row in rows.tolist():
+        for row in each(rows):
             path, offset, size = ix.where(row)
             record = json.loads(reader.raw(path, offset, size, "a record"))
             e = entry(record, path, offset, b"", False)

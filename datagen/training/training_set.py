@@ -37,7 +37,7 @@ import numpy as np
 
 from config.settings import Settings
 from datagen.errors import PermanentError
-from datagen.generation.columns import Ids, frozen, groups, id_order
+from datagen.generation.columns import Ids, each, frozen, groups, id_order
 from datagen.generation.committed import Committed
 from datagen.generation.merge import datasets_on_disk, merge_dataset
 from datagen.generation.records import (
@@ -312,7 +312,7 @@ def shuffle_order(n: int, seed: int) -> np.ndarray:
 def _fingerprint(table: _Table, order: np.ndarray, settings: Settings) -> str:
     h = hashlib.sha256(f"v{MANIFEST_VERSION} shard_samples={settings.shard_samples}\n".encode())
     names = [name.encode() for name in table.datasets]
-    for row in order.tolist():
+    for row in each(order):
         h.update(b"%s\t%s\t%s\n" % (names[table.dataset[row]], table.ids.raw(row),
                                      table.digests[32 * row:32 * row + 32].hex().encode()))
     return h.hexdigest()
