@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_memory.py                   # 3 cases, ~1 min on 2 cores
     .venv/bin/python bench/bench_memory.py --before 88ed949  # and the old code too, ~2 min
     .venv/bin/python bench/bench_memory.py --realistic-records 100000  # 4.5 GB disk, ~4 min
-    .venv/bin/python bench/bench_memory.py --only 2000000 --small-ids 4,8  # ~1.3 GB disk
+    .venv/bin/python bench/bench_memory.py --only 2000000 --small-ids 4,8  # 1 GB disk, ~9 min
 
 Goal (issue 11 §6, issue 19 §3): at most 500 MB peak for a dataset of any size and count,
 shown at 100,000 records (of 2K + 3.7K tokens) and at 2,000,000 (``--only``). Each case

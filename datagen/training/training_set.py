@@ -11,9 +11,9 @@ Rules, in order: records without token ids are dropped (old format); truncated r
 dropped when ``keep_truncated`` is off; an id already taken by an earlier dataset (datasets in
 name order) is a collision and the later copy is dropped; what is left is sorted by
 (dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
-settings give byte-identical files. Only an index is held in memory, in flat columns (``_Table``:
-dataset, offset, token counts, line digest and id, ~80 bytes a sample); records are read back
-one at a time when the shards are written.
+settings give byte-identical files. Only an index is held in memory, in flat columns
+(``sample_table``: dataset, offset, token counts, line digest and id, ~80 bytes a sample);
+records are read back one at a time when the shards are written.
 
 Extraction names its output files by ``idx`` and resumes by (dataset, id), so a training set
 must not change under a started extraction: ``prepare`` refuses when the new set differs from
@@ -25,8 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
-from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -37,7 +35,7 @@ import numpy as np
 
 from config.settings import Settings
 from datagen.errors import PermanentError
-from datagen.generation.columns import Ids, each, frozen, groups, id_order
+from datagen.generation.columns import each, frozen, id_order
 from datagen.generation.committed import Committed
 from datagen.generation.merge import datasets_on_disk, merge_dataset
 from datagen.generation.records import (
@@ -49,6 +47,7 @@ from datagen.generation.records import (
 )
 from datagen.operations.progress import Progress
 from datagen.training import handoff
+from datagen.training.sample_table import Entry, SampleTable, drop_collisions, shuffle_order
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +95,6 @@ class DatasetCount:
     @property
     def tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
-
-
-@dataclass(frozen=True)
-class Entry:
-    dataset: str
-    id: str
-    offset: int   # byte offset of the record in the dataset's raw_responses.jsonl
-    prompt_tokens: int
-    output_tokens: int
-    digest: str   # sha256 of the record line: any change of content changes the fingerprint
 
 
 @dataclass
@@ -179,47 +168,10 @@ class _Besides:
             self.conversations.write(_conversation_line(record, self.decode))
 
 
-class _Table:
-    """The admitted samples of every dataset, one row each in flat columns (no object per
-    sample): rows in (dataset in name order, line of its merged file) order."""
-
-    def __init__(self) -> None:
-        self.datasets: list[str] = []
-        self.dataset = array("I")
-        self.offset = array("Q")
-        self.prompt_tokens = array("Q")
-        self.output_tokens = array("Q")
-        self.key = array("q")  # hash(id), this process's: rows that may share an id
-        self.digests = bytearray()  # sha256 of each line, 32 bytes a row
-        self.ids = Ids()
-        self.kept = np.zeros(0, dtype=np.int64)  # rows left once collisions are dropped
-
-    def add(self, dataset: int, entry: Entry) -> None:
-        self.dataset.append(dataset)
-        self.offset.append(entry.offset)
-        self.prompt_tokens.append(entry.prompt_tokens)
-        self.output_tokens.append(entry.output_tokens)
-        self.key.append(hash(entry.id))
-        self.digests += bytes.fromhex(entry.digest)
-        self.ids.add(entry.id)
-
-    def __len__(self) -> int:
-        return len(self.offset)
-
-    def entry(self, row: int) -> Entry:
-        return Entry(self.datasets[self.dataset[row]], self.ids.get(row), self.offset[row],
-                     self.prompt_tokens[row], self.output_tokens[row],
-                     self.digests[32 * row:32 * row + 32].hex())
-
-    def tokens(self, rows: np.ndarray) -> int:
-        return int(frozen(self.prompt_tokens, np.uint64)[rows].sum()
-                   + frozen(self.output_tokens, np.uint64)[rows].sum())
-
-
 def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Committed | None]
-           ) -> tuple[list[DatasetCount], _Table, list[tuple[str, str, str]]]:
+           ) -> tuple[list[DatasetCount], SampleTable, list[tuple[str, str, str]]]:
     counts: list[DatasetCount] = []
-    table = _Table()
+    table = SampleTable()
     for number, dataset in enumerate(datasets_on_disk(settings.output_dir)):
         merged = merge_dataset(settings.output_dir, dataset, committed.get(dataset))
         count = DatasetCount(dataset, records=merged.records, uncommitted=merged.uncommitted,
@@ -234,34 +186,8 @@ def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Commi
             count.output_tokens += entry.output_tokens
             table.add(number, entry)
         counts.append(count)
-    collisions = _drop_collisions(table, counts)
+    collisions = drop_collisions(table, counts)
     return counts, table, collisions
-
-
-def _drop_collisions(table: _Table, counts: list[DatasetCount]) -> list[tuple[str, str, str]]:
-    """An id admitted by an earlier dataset drops the later copies: their rows leave the
-    table's ``kept`` and their counts their dataset's. Returns (id, kept in, dropped from) in
-    the order the dropped copies come."""
-    alone, shared, starts = groups(frozen(table.key, np.int64))
-    dropped: list[tuple[int, str, str, str]] = []
-    bounds = [*starts.tolist(), len(shared)]
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        owner: dict[bytes, int] = {}
-        for row in sorted(shared[a:b].tolist()):
-            first = owner.setdefault(table.ids.raw(row), row)
-            if first != row:  # the same id (not only the same hash) in an earlier dataset
-                e = table.entry(row)
-                dropped.append((row, e.id, table.datasets[table.dataset[first]], e.dataset))
-                count = counts[table.dataset[row]]
-                count.collisions += 1
-                count.samples -= 1
-                count.prompt_tokens -= e.prompt_tokens
-                count.output_tokens -= e.output_tokens
-    dropped.sort()
-    kept = np.ones(len(table), dtype=bool)
-    kept[[row for row, *_ in dropped]] = False
-    table.kept = np.flatnonzero(kept)
-    return [(sid, owner_ds, ds) for _, sid, owner_ds, ds in dropped]
 
 
 def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
@@ -290,7 +216,7 @@ def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
                  len(record["output_ids"]), digest)
 
 
-def _shuffled(table: _Table, seed: int) -> np.ndarray:
+def _shuffled(table: SampleTable, seed: int) -> np.ndarray:
     """The kept rows sorted by (dataset, id), then shuffled as ``random.Random(seed).shuffle``
     shuffles a list of them."""
     # sorted first: the order does not depend on merge order or on the datasets' listing
@@ -298,18 +224,7 @@ def _shuffled(table: _Table, seed: int) -> np.ndarray:
     return rows[shuffle_order(len(rows), seed)]
 
 
-def shuffle_order(n: int, seed: int) -> np.ndarray:
-    """The permutation ``random.Random(seed).shuffle`` makes of n items (its own loop, on an
-    array of 8 bytes an item instead of a list of objects)."""
-    perm = array("q", range(n))
-    randbelow = random.Random(seed)._randbelow  # what Random.shuffle draws with
-    for i in reversed(range(1, n)):
-        j = randbelow(i + 1)
-        perm[i], perm[j] = perm[j], perm[i]
-    return frozen(perm, np.int64)
-
-
-def _fingerprint(table: _Table, order: np.ndarray, settings: Settings) -> str:
+def _fingerprint(table: SampleTable, order: np.ndarray, settings: Settings) -> str:
     h = hashlib.sha256(f"v{MANIFEST_VERSION} shard_samples={settings.shard_samples}\n".encode())
     names = [name.encode() for name in table.datasets]
     for row in each(order):
@@ -356,7 +271,7 @@ class _Reader:
             fh.close()
 
 
-def _write_shards(out: Path, table: _Table, order: np.ndarray, per_shard: int, reader: _Reader,
+def _write_shards(out: Path, table: SampleTable, order: np.ndarray, per_shard: int, reader: _Reader,
                   besides: Callable[[Entry, dict[str, Any]], None]) -> list[dict[str, Any]]:
     shards = []
     progress = Progress("prepare: shards", len(order), "samples")
