@@ -26,6 +26,7 @@ from datagen.extraction.estimate import (
     load_calibration,
 )
 from datagen.extraction.manifest import shard_name
+from datagen.generation.committed import Committed
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.training import draft_config, handoff, training_set
@@ -45,11 +46,12 @@ def cmd_prepare(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def committed_maps(settings: Settings) -> dict[str, dict[str, str] | None]:
-    """Per dataset the ledger's committed map; {} (every record counts) without Redis."""
+def committed_maps(settings: Settings) -> dict[str, Committed | None]:
+    """Per dataset the ledger's committed map (its hashes: 24 bytes a sample); {} (every
+    record counts) without Redis."""
     try:
         ledger = _ledger(settings)
-        return {ds: ledger.committed(ds) or None
+        return {ds: ledger.committed_index(ds)
                 for ds in datasets_on_disk(settings.output_dir)}
     except redis.RedisError as exc:
         print(f"Redis not reachable ({exc}): every record on disk counts, earliest copy per id")

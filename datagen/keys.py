@@ -57,6 +57,10 @@ def dataset_key(dataset: str, part: str) -> str:
 # Per-dataset parts, used as dataset_key(name, PART):
 # HASH sample id -> "rid tokens" of the committed record (the first commit wins).
 DONE = "done"
+# HASH sample id -> "rid tokens": the done map a rebuild from the records writes batch by
+# batch, renamed to DONE in the transaction that ends the rebuild (a leftover of a rebuild
+# cut short is deleted by the next one).
+DONE_REBUILD = "done_rebuild"
 # HASH counters: tokens (budget measure), prompt_tokens, completion_tokens,
 #   samples, truncated, dead, duplicates, discarded_tokens, revoked, refused.
 STATS = "stats"
