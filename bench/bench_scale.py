@@ -1,7 +1,7 @@
 """Ten times the seed: 1,000,000 prompts over 8 datasets, from the enqueue to the training set.
 
     .venv/bin/python bench/bench_scale.py                       # 1,000,000 prompts and records
-    .venv/bin/python bench/bench_scale.py --prompts 20000 --run-samples 5000   # ~1-2 min
+    .venv/bin/python bench/bench_scale.py --prompts 20000 --run-samples 3000   # 6.6 min at load 13
     .venv/bin/python bench/bench_scale.py --prompts 100000,300000 --records 100000,300000
         # two sizes: a line through them gives the 1,000,000 figures, labelled extrapolated
     .venv/bin/python bench/bench_scale.py --phases rebuild,merge,prepare --records 1000000
