@@ -153,6 +153,9 @@ bench-ledger: install ## Redis time per admit/commit at 0-10,000 in flight; traf
 bench-memory: install ## rebuild, merge and prepare peak memory at 100,000 records (goal <= 500 MB)
 	$(PY) bench/bench_memory.py
 
+bench-scale: install ## 10x the seed: 1,000,000 prompts produce/status/run, recover/merge/prepare (ARGS=...)
+	$(PY) bench/bench_scale.py $(ARGS)
+
 lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra but torch)
 	$(VENV)/bin/uv pip compile pyproject.toml --extra extract --extra demo --extra plot \
 		--extra dev --override requirements/without-torch.txt --universal --python-version 3.11 \
@@ -164,4 +167,4 @@ clean: ## remove the virtualenv and run folders
 .PHONY: help install system-redis demo test lint produce run workers worker-gpu flower status \
 	merge prepare extract handoff sglang-env sglang-lock estimate calibrate recover metrics plot \
 	up up-sim down bench \
-	bench-load bench-ledger bench-memory lock clean
+	bench-load bench-ledger bench-memory bench-scale lock clean

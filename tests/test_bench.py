@@ -49,3 +49,41 @@ def test_bench_generate_measures_the_pipeline_the_client_and_the_celery_floor(
     http = data["http"]["median_cpu_ms_per_call"]
     assert http["requests"] > 0 and http["client"] > 0
     assert "no-op worker / direct client CPU per sample" in result.stdout
+
+
+def test_bench_scale_measures_every_phase_and_fits_a_line(tmp_path: Path) -> None:
+    out = tmp_path / "scale.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_scale.py", "--prompts", "800,1600", "--records",
+         "800,1600", "--run-samples", "300", "--simulators", "1", "--short-concurrency", "8",
+         "--long-concurrency", "4", "--target", "1000000", "--workdir", str(tmp_path),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    phases = data["phases"]
+    assert set(phases) == {"produce", "rerun", "status", "run", "rebuild", "merge", "prepare"}
+    for phase in ("produce", "rerun", "rebuild", "merge", "prepare"):
+        assert set(phases[phase]["sizes"]) == {"800", "1600"}, phase
+        for figures in phases[phase]["sizes"].values():
+            assert figures["seconds"] > 0 and figures["peak_rss_mb"] > 0
+        # Two sizes, a target beyond them: every fitted figure is read at the target
+        assert phases[phase]["fit"]["seconds"]["extrapolated_at"] == 1_000_000
+    produced = phases["produce"]["sizes"]["1600"]
+    assert produced["enqueued"] == 1600 and produced["queued"]["long"] > 0
+    assert produced["redis_mb"] > 0
+    assert phases["rerun"]["sizes"]["1600"]["enqueued"] == 0  # all pending: nothing new
+    status = phases["status"]["sizes"]["1600"]
+    assert status["pending"] == 1600 and len(status["status_s"]) == 3
+    assert set(status["flower"]) == {"/api/workers", "/api/workers?refresh=1",
+                                     "/api/queues/length", "/api/tasks?limit=100"}
+    run = phases["run"]["sizes"]["1600"]
+    assert run["samples"] >= 300 and run["samples_per_s"] > 0
+    assert run["redis"]["script_calls_per_s"] > 0 and run["redis"]["cpu_cores"] >= 0
+    assert set(run["with_workers"]["flower"]) == set(status["flower"])
+    assert phases["rebuild"]["sizes"]["1600"]["done"] == 1600
+    assert phases["merge"]["sizes"]["1600"]["records"] == 1600
+    assert phases["prepare"]["sizes"]["1600"]["samples"] == 1600
+    assert "(extrapolated)" in result.stdout
+    # What the bench wrote is gone
+    assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
