@@ -15,7 +15,9 @@ worst-case rule (every request at its cap) as a floor: whatever fits at the caps
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 PRIOR_MEAN_TOKENS = 2048
 PRIOR_TOKENS_PER_S = 50.0
@@ -111,3 +113,55 @@ def _kaplan_meier(events: list[int], censored: list[float]
         points.append(t)
         survival.append(s)
     return points, survival
+
+
+# lua/_lib.lua's bucket fields: "<start * CAP_CLASSES + class>" -> requests, "c<same>" -> the
+# sum of their caps; "_prompt" -> prompt tokens in flight; "<start>:<cap>" before cap classes.
+CAP_CLASSES = 64
+
+
+class Bucket(NamedTuple):
+    start: float  # Redis time (s) the bucket begins at: its requests started then or later
+    count: int
+    caps: int  # the sum of its requests' max_new_tokens
+
+    @property
+    def cap(self) -> float:
+        return self.caps / self.count if self.count else 0.0
+
+
+def cap_class(cap: int) -> int:
+    """lua/_lib.lua's cap_class: the octave of max_new_tokens."""
+    return min(CAP_CLASSES - 1, max(1, cap).bit_length() - 1)
+
+
+def bucket_field(now: float, cap: int, cap_max: int, rate: float) -> str:
+    """lua/_lib.lua's bucket_field: the field a request admitted at ``now`` is counted in
+    (for the benchmark, which writes in-flight state directly)."""
+    width = max(1, min(60, math.floor(cap_max / max(rate, 1e-3) / 32)))
+    return str(math.floor(now / width) * width * CAP_CLASSES + cap_class(cap))
+
+
+def read_buckets(raw: Mapping[str, str]) -> list[Bucket]:
+    """The buckets hash as rows, empty ones left out."""
+    out = []
+    for name, value in raw.items():
+        if name.isdigit():
+            x, count = int(name), int(value)
+            out.append(Bucket(float(x // CAP_CLASSES), count, int(raw.get("c" + name, 0))))
+        elif ":" in name:
+            start, cap = name.split(":")
+            out.append(Bucket(float(start), int(value), int(value) * int(cap)))
+    return [b for b in out if b.count > 0]
+
+
+def censored_progress(buckets: Mapping[str, str], now: float, rate: float | None
+                      ) -> list[float]:
+    """Progress so far of the requests in flight (censored lengths), from the buckets:
+    each bucket's requests at its start, capped at their mean max_new_tokens."""
+    if not rate:
+        return []
+    out: list[float] = []
+    for b in read_buckets(buckets):
+        out.extend([min(max(0.0, now - b.start) * rate, b.cap)] * b.count)
+    return out

@@ -215,11 +215,12 @@ def test_admission_reads_buckets_that_follow_admits_and_releases(ledger: Ledger)
     ledger.set_budget("A", 10**9)
     for i in range(300):
         assert ledger.admit("A", f"s{i}", f"r{i}", "w", 7, 100).status == "ok"
-    buckets = ledger.r.hgetall(ledger.k("A", "buckets"))
-    # Then: a few buckets hold them all, with their prompt tokens
-    assert sum(int(v) for f, v in buckets.items() if f != "_prompt") == 300
-    assert int(buckets["_prompt"]) == 7 * 300
-    assert len(buckets) <= 4
+    buckets = ledger.buckets("A")
+    # Then: a few buckets hold them all, with their caps and prompt tokens
+    assert sum(b.count for b in buckets) == 300
+    assert sum(b.caps for b in buckets) == 100 * 300
+    assert int(ledger.r.hget(ledger.k("A", "buckets"), "_prompt")) == 7 * 300
+    assert len(buckets) <= 3
     # When: every one ends (half committed, half released), the buckets empty out
     for i in range(300):
         if i % 2:
@@ -264,8 +265,7 @@ def test_a_stale_entry_does_not_block_a_new_admission(redis_url: str) -> None:
     time.sleep(0.3)
     assert led.admit("A", "s1", "r2", "new-owner", 5, 100).status == "ok"
     assert led.in_flight("A")["s1"]["rid"] == "r2"
-    assert sum(int(v) for f, v in led.r.hgetall(led.k("A", "buckets")).items()
-               if f != "_prompt") == 1
+    assert sum(b.count for b in led.buckets("A")) == 1
 
 
 def test_an_owner_takes_over_its_own_earlier_try(ledger: Ledger) -> None:
@@ -329,7 +329,8 @@ def test_a_commit_clears_the_samples_dead_letter(ledger: Ledger) -> None:
 
 
 def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> None:
-    # Given: random admits, commits, releases, takeovers and reclaims of 40 samples
+    # Given: random admits (caps repeated and distinct), commits, releases, takeovers and
+    # reclaims of 40 samples
     led = _ledger(redis_url, lease_s=0.05, token_budget=10**9)
     rng = random.Random(7)
     rids: dict[str, str] = {}
@@ -339,7 +340,8 @@ def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> N
         if action < 0.5:
             rid = f"r{step}"
             owner = rng.choice(["w1", "w2"])
-            if led.admit("A", sample, rid, owner, 5, rng.choice([100, 200])).status == "ok":
+            cap = rng.choice([100, 200, rng.randrange(1, 20000)])
+            if led.admit("A", sample, rid, owner, 5, cap).status == "ok":
                 rids[sample] = rid
         elif action < 0.7 and sample in rids:
             led.commit("A", sample, rids.pop(sample), 5, 10, False, 1.0)
@@ -349,6 +351,9 @@ def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> N
             time.sleep(0.06)
             led.reap("A")
         # Then: after every step, the buckets admission reads hold exactly what is in flight
-        buckets = led.r.hgetall(led.k("A", "buckets"))
-        counted = sum(int(v) for f, v in buckets.items() if f != "_prompt")
-        assert counted == len(led.in_flight("A")) == led.r.zcard(led.k("A", "leases")), step
+        flight = led.in_flight("A")
+        buckets = led.buckets("A")
+        assert sum(b.count for b in buckets) == len(flight) == led.r.zcard(
+            led.k("A", "leases")), step
+        assert sum(b.caps for b in buckets) == sum(e["max_new_tokens"]
+                                                   for e in flight.values()), step
