@@ -91,6 +91,15 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
             "censored": len(censored) - PSEUDO_CENSORED}
 
 
+def stored(model: dict[str, Any]) -> dict[str, Any]:
+    """The model as admission reads it: the means and variances rounded up to whole
+    tokens. Every admit decodes it (cjson, in Lua); whole numbers halve that (26 against
+    42 µs for 130 points), and rounding up only ever reserves more, under a token each."""
+    whole = {k: math.ceil(model[k]) for k in ("mean", "var", "tail")}
+    return {**model, **whole, "m": [math.ceil(x) for x in model["m"]],
+            "v": [math.ceil(x) for x in model["v"]]}
+
+
 def _kaplan_meier(events: list[int], censored: list[float]
                   ) -> tuple[list[float], list[float]]:
     """Distinct observation points and the survival S(t) just after each."""
@@ -115,9 +124,10 @@ def _kaplan_meier(events: list[int], censored: list[float]
     return points, survival
 
 
-# lua/_lib.lua's bucket fields: "<start * CAP_CLASSES + class>" -> requests, "c<same>" -> the
-# sum of their caps; "_prompt" -> prompt tokens in flight; "<start>:<cap>" before cap classes.
+# lua/_lib.lua's buckets: "<start * CAP_CLASSES + class>" -> "<sum of caps * BUCKET_COUNT +
+# requests>", "_prompt" -> prompt tokens in flight; "<start>:<cap>" -> requests, before classes.
 CAP_CLASSES = 64
+BUCKET_COUNT = 1 << 24
 
 
 class Bucket(NamedTuple):
@@ -147,8 +157,8 @@ def read_buckets(raw: Mapping[str, str]) -> list[Bucket]:
     out = []
     for name, value in raw.items():
         if name.isdigit():
-            x, count = int(name), int(value)
-            out.append(Bucket(float(x // CAP_CLASSES), count, int(raw.get("c" + name, 0))))
+            caps, count = divmod(int(value), BUCKET_COUNT)
+            out.append(Bucket(float(int(name) // CAP_CLASSES), count, caps))
         elif ":" in name:
             start, cap = name.split(":")
             out.append(Bucket(float(start), int(value), int(value) * int(cap)))

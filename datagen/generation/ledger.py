@@ -31,6 +31,7 @@ from datagen.generation.admission import (
     censored_progress,
     length_model,
     read_buckets,
+    stored,
 )
 
 __all__ = ["Admission", "Commit", "Ledger", "Reclaimed", "connect", "length_model", "owner_id"]
@@ -254,7 +255,7 @@ class Ledger:
                              int(stats.get("cap", 0)) or None,
                              self.settings.admission_min_responses)
         if model is not None:
-            self.r.set(self.k(dataset, keys.MODEL), json.dumps(model))
+            self.r.set(self.k(dataset, keys.MODEL), json.dumps(stored(model)))
         return model
 
     # -- pending work, dead letters, closing ----------------------------------------
