@@ -34,7 +34,8 @@ def worker_alive(worker_id: str) -> str:
     return f"{PREFIX}alive:{worker_id}"
 
 
-# STRING owner id with a TTL of half a lease: the one process reaping stale leases now.
+# STRING owner id with a TTL of a second, dropped after the pass: the one process reaping
+# stale leases now (liveness.REAP_LOCK_S).
 REAPER_LOCK = PREFIX + "reaper_lock"
 
 
