@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import redis
+
 from datagen import keys
 from datagen.generation.job import Job
 from datagen.generation.lease import LeaseBook
@@ -108,7 +110,8 @@ class Heartbeat:
                     release_reaper_lock(self.ledger, self.book.owner)
                 due_in = lease_due_in(self.ledger)
             else:  # another reaper is at it: look again when its lock ends
-                due_in = max(0.0, self.ledger.r.pttl(keys.REAPER_LOCK) / 1000)
+                held_ms = self.ledger.r.pttl(keys.REAPER_LOCK)  # -2: gone already
+                due_in = held_ms / 1000 if held_ms > 0 else 0.0
         self._next_reap = (time.monotonic() + max(REAP_RETRY_S, due_in)
                            if due_in is not None else float("inf"))
 
@@ -135,7 +138,7 @@ def release_reaper_lock(ledger: Ledger, owner: str) -> None:
                 pipe.multi()
                 pipe.delete(keys.REAPER_LOCK)
                 pipe.execute()
-        except Exception:  # changed meanwhile (or Redis away): it expires on its own
+        except redis.exceptions.RedisError:  # changed meanwhile, or Redis away: it expires
             return
 
 
