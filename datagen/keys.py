@@ -34,7 +34,8 @@ def worker_alive(worker_id: str) -> str:
     return f"{PREFIX}alive:{worker_id}"
 
 
-# STRING owner id with a TTL of half a lease: the one process reaping stale leases now.
+# STRING owner id with a TTL of a second, dropped after the pass: the one process reaping
+# stale leases now (liveness.REAP_LOCK_S).
 REAPER_LOCK = PREFIX + "reaper_lock"
 
 
@@ -70,8 +71,9 @@ PENDING = "pending"
 # HASH sample id -> JSON {rid, worker, server, start, max_new_tokens, prompt_tokens, b} of
 # requests in flight (start in Redis time; b = the BUCKETS field the entry is counted in).
 INFLIGHT = "inflight"
-# HASH "<start bucket>:<max_new_tokens>" -> requests in flight, "_prompt" -> their prompt
-# tokens: what admission reads, so its cost grows with buckets, not requests.
+# HASH "<start bucket * 64 + cap class>" -> "<sum of their caps * 2^24 + requests in flight>"
+# (a cap class is an octave of max_new_tokens), "_prompt" -> their prompt tokens: what
+# admission reads, so its cost grows with buckets, not requests nor caps (lua/_lib.lua).
 BUCKETS = "buckets"
 # ZSET sample id -> lease deadline (Redis time, s) of its in-flight entry, renewed by the
 # owner's heartbeat; a stale one is reclaimed by any reaper, whoever owned it.

@@ -23,6 +23,10 @@ def test_bench_ledger_measures_admission_and_traffic(tmp_path: Path) -> None:
     # Buckets, not entries: a thousand requests in flight read as a few dozen fields
     assert 0 < rows[1000]["buckets"] < 100
     assert rows[1000]["admit_us"] > 0 and rows[1000]["commit_us"] > 0
+    # Every cap distinct: still buckets by (start, cap class), not a bucket per request
+    distinct = [r for r in data["distinct_caps"] if r["caps"] == "distinct"]
+    assert len(distinct) == 3 and all(0 < r["fields"] < 1000 / 4 for r in distinct)
+    assert all(r["refused_us"] > 0 and r["parked_commit_us"] > 0 for r in distinct)
     assert data["traffic"]["samples"] == 40
     assert 0 < data["traffic"]["round_trips_per_sample"] <= 4
     assert "| in flight |" in result.stdout

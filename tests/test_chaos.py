@@ -100,6 +100,50 @@ def test_sigkilled_worker_loses_nothing_and_its_work_comes_back_ahead_of_the_bac
           f"{behind} fresh samples still behind them")
 
 
+def test_a_killed_workers_requests_start_again_within_a_lease_and_two_seconds(
+        stack: Stack) -> None:
+    # Given: two workers of 4 threads, a 6 s lease, and a backlog of 400 short requests
+    # (~0.3 s each), far longer than the lease
+    stack.start_simulator("--lengths", "uniform:20:40", "--decode-step-s", "0.01")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, 400)), short_concurrency=4,
+                               short_max_tokens=100, lease_s=6.0)
+    victim = stack.worker("short", name="victim@%h")
+    stack.worker("short", name="survivor@%h")
+    stack.wait_workers(2)
+    ledger = start(stack, settings)
+    wait_until(lambda: sum(owned_by(e, victim) for e in ledger.in_flight("B1").values()) >= 2,
+               30, what="the victim to have requests in flight")
+
+    # When: the victim is SIGKILLed; its requests' lease deadlines are read from the ledger
+    # once it is dead (nothing renews them after)
+    victim.kill()
+    killed_at = time.time()
+    lost = {s: e["rid"] for s, e in ledger.in_flight("B1").items() if owned_by(e, victim)}
+    deadline = {s: ledger.r.zscore(ledger.k("B1", keys.LEASES), s) for s in lost}
+    assert lost and all(d is not None for d in deadline.values())
+    follow(ledger, 0.3, app=stack.app(), timeout_s=240)
+
+    # Then: every one of them started again (its first request after the kill) within a
+    # lease and 2 s of the kill, and within 2 s of its lease's end, with the backlog
+    # still queued behind it
+    assert_exact_accounting(stack, settings, "B1", 400)
+    starts = [e for e in stack.sim_log() if e["event"] == "start"]
+    counted = {sid: v.split(" ")[0] for sid, v in ledger.committed("B1").items()}
+    again = {sid: min(e["time"] for e in starts if e["rid"] == counted[sid]) for sid in lost}
+    late = {sid: (round(t - killed_at, 2), round(t - deadline[sid], 2))
+            for sid, t in again.items()
+            if t - killed_at > settings.lease_s + 2 or t - deadline[sid] > 2}
+    assert all(t > killed_at for t in again.values())
+    assert not late, late
+    fresh_after = sum(e["time"] > max(again.values()) for e in starts)
+    assert fresh_after > 0
+    print(f"FIGURE kill-rerun: {len(lost)} lost samples started again "
+          f"{min(again.values()) - killed_at:.1f}-{max(again.values()) - killed_at:.1f}s "
+          f"after the kill, {max(t - deadline[s] for s, t in again.items()):.2f}s at most "
+          f"after their lease's end (lease_s={settings.lease_s}), {fresh_after} fresh "
+          "requests started after the last of them")
+
+
 def test_reclaiming_goes_by_lease_even_when_a_process_with_the_same_host_and_pid_is_up(
         stack: Stack) -> None:
     # Given: a worker with requests in flight

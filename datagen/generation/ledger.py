@@ -24,10 +24,18 @@ import redis
 from config.settings import Settings, masked_url
 from datagen import keys
 from datagen.errors import LedgerUnavailable
+from datagen.generation.admission import (
+    PRIOR_MEAN_TOKENS,
+    PRIOR_TOKENS_PER_S,
+    Bucket,
+    censored_progress,
+    length_model,
+    read_buckets,
+    stored,
+)
 
 if TYPE_CHECKING:
     from datagen.generation.committed import Committed
-from datagen.generation.admission import PRIOR_MEAN_TOKENS, PRIOR_TOKENS_PER_S, length_model
 
 __all__ = ["Admission", "Commit", "Ledger", "Reclaimed", "connect", "length_model", "owner_id"]
 
@@ -252,7 +260,7 @@ class Ledger:
                              int(stats.get("cap", 0)) or None,
                              self.settings.admission_min_responses)
         if model is not None:
-            self.r.set(self.k(dataset, keys.MODEL), json.dumps(model))
+            self.r.set(self.k(dataset, keys.MODEL), json.dumps(stored(model)))
         return model
 
     # -- pending work, dead letters, closing ----------------------------------------
@@ -359,6 +367,10 @@ class Ledger:
         span = now - (now - window_s if before else first_t)
         return (tokens[-1] - start_tokens) / span if span > 0 else None
 
+    def buckets(self, dataset: str) -> list[Bucket]:
+        """The in-flight buckets admission reads (start, requests, sum of their caps)."""
+        return read_buckets(self.r.hgetall(self.k(dataset, keys.BUCKETS)))
+
     def in_flight(self, dataset: str) -> dict[str, dict[str, Any]]:
         return {s: json.loads(v)
                 for s, v in self.r.hgetall(self.k(dataset, keys.INFLIGHT)).items()}
@@ -400,18 +412,3 @@ def decode_rate(speeds: Sequence[str], stats: Mapping[str, str]) -> float | None
         return per_response[min(len(per_response) - 1, int(RATE_QUANTILE * len(per_response)))]
     decoded, decode_s = float(stats.get("decoded", 0)), float(stats.get("decode_s", 0))
     return decoded / decode_s if decode_s > 0 else None
-
-
-def censored_progress(buckets: Mapping[str, str], now: float, rate: float | None
-                      ) -> list[float]:
-    """Progress so far of the requests in flight (censored lengths), from the buckets:
-    each bucket's requests at its middle, capped at its max_new_tokens."""
-    if not rate:
-        return []
-    out: list[float] = []
-    for name, count in buckets.items():
-        if name == "_prompt" or int(count) <= 0:
-            continue
-        start, cap = name.split(":")
-        out.extend([min(max(0.0, now - float(start)) * rate, float(cap))] * int(count))
-    return out

@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import redis
+
 from datagen import keys
 from datagen.generation.guard import abort_entries
 from datagen.generation.job import Job
@@ -28,7 +30,19 @@ log = logging.getLogger(__name__)
 Requeue = Callable[[Job], None]
 
 
+# The reaper lock only keeps the fleet from reaping in chorus: reap.lua gives each stale entry
+# to exactly one reaper anyway. Held for one pass (or REAP_LOCK_S, if its holder dies in it).
+REAP_LOCK_S = 1.0
+# A reaper looks again no sooner than this after finding the lock held or a deadline passed.
+REAP_RETRY_S = 0.05
+
+
 class Heartbeat:
+    """Beats every third of a lease (presence, renewals, deferred releases) and reaps when
+    the fleet's earliest lease deadline passes, not at the next beat: a dead worker's
+    requests are re-enqueued within a moment of their lease's end, about one lease after
+    the kill (DESIGN.md, "Acks, prefetch and the visibility timeout")."""
+
     def __init__(self, ledger: Ledger, book: LeaseBook, lease_s: float, requeue: Requeue):
         self.ledger = ledger
         self.book = book
@@ -36,6 +50,7 @@ class Heartbeat:
         self.requeue = requeue
         self._stop = threading.Event()
         self._connected_since: float | None = None
+        self._next_reap = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="datagen-heartbeat",
                                         daemon=True)
 
@@ -57,20 +72,75 @@ class Heartbeat:
             self.requeue(Job.from_payload(json.loads(payload)))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
-            self._tick()
+        next_beat = time.monotonic() + self.lease_s / 3
+        while not self._stop.wait(max(0.0, min(next_beat, self._next_reap) - time.monotonic())):
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.lease_s / 3
+                self._tick()
+            else:
+                self._guarded(self._reap_when_due)
 
     def _tick(self) -> None:
+        self._guarded(self.beat)
+        self._guarded(self._reap_when_due)
+
+    def _guarded(self, step: Callable[[], None]) -> None:
         try:
-            self.beat()
-            now = time.monotonic()
-            self._connected_since = self._connected_since or now
-            if now - self._connected_since >= self.lease_s and self.ledger.r.set(
-                    keys.REAPER_LOCK, self.book.owner, nx=True, px=int(self.lease_s * 500)):
-                reap(self.ledger, self.requeue)
+            step()
+            self._connected_since = self._connected_since or time.monotonic()
         except Exception as exc:  # Redis restarting: keep beating, and start over
             self._connected_since = None
+            self._next_reap = time.monotonic() + self.lease_s / 3
             log.warning("heartbeat: %s", exc)
+
+    def _reap_when_due(self) -> None:
+        """Reap if a lease is past its deadline (under the reaper lock), then set when to
+        look next: the earliest deadline still ahead, or the lock's end."""
+        now = time.monotonic()
+        if self._connected_since is None or now - self._connected_since < self.lease_s:
+            # Not a full lease of contact yet: live workers may not have renewed since.
+            self._next_reap = (self._connected_since or now) + self.lease_s
+            return
+        due_in = lease_due_in(self.ledger)
+        if due_in is not None and due_in <= 0:
+            if self.ledger.r.set(keys.REAPER_LOCK, self.book.owner, nx=True,
+                                 px=int(REAP_LOCK_S * 1000)):
+                try:
+                    reap(self.ledger, self.requeue)
+                finally:
+                    release_reaper_lock(self.ledger, self.book.owner)
+                due_in = lease_due_in(self.ledger)
+            else:  # another reaper is at it: look again when its lock ends
+                held_ms = self.ledger.r.pttl(keys.REAPER_LOCK)  # -2: gone already
+                due_in = held_ms / 1000 if held_ms > 0 else 0.0
+        self._next_reap = (time.monotonic() + max(REAP_RETRY_S, due_in)
+                           if due_in is not None else float("inf"))
+
+
+def lease_due_in(ledger: Ledger) -> float | None:
+    """Seconds (Redis time) until the earliest lease deadline of any dataset, negative when
+    one is past; None when nothing is in flight."""
+    datasets = ledger.datasets()
+    with ledger.r.pipeline(transaction=False) as pipe:
+        pipe.time()
+        for dataset in datasets:
+            pipe.zrange(ledger.k(dataset, keys.LEASES), 0, 0, withscores=True)
+        (sec, usec), *firsts = pipe.execute()
+    deadlines = [first[0][1] for first in firsts if first]
+    return min(deadlines) - (sec + usec / 1e6) if deadlines else None
+
+
+def release_reaper_lock(ledger: Ledger, owner: str) -> None:
+    """Drop the reaper lock if it is still this owner's (a slow pass may have outlived it)."""
+    with ledger.r.pipeline() as pipe:
+        try:
+            pipe.watch(keys.REAPER_LOCK)
+            if pipe.get(keys.REAPER_LOCK) == owner:
+                pipe.multi()
+                pipe.delete(keys.REAPER_LOCK)
+                pipe.execute()
+        except redis.exceptions.RedisError:  # changed meanwhile, or Redis away: it expires
+            return
 
 
 def reap(ledger: Ledger, requeue: Requeue) -> int:

@@ -13,6 +13,14 @@ from config.settings import Settings
 from datagen import keys
 from datagen.celery_app import make_app
 from datagen.generation import guard
+from datagen.generation.admission import (
+    BUCKET_COUNT,
+    CAP_CLASSES,
+    PRIOR_TOKENS_PER_S,
+    Bucket,
+    bucket_field,
+    stored,
+)
 from datagen.generation.ledger import Ledger, connect, length_model
 from datagen.operations import status
 
@@ -215,11 +223,12 @@ def test_admission_reads_buckets_that_follow_admits_and_releases(ledger: Ledger)
     ledger.set_budget("A", 10**9)
     for i in range(300):
         assert ledger.admit("A", f"s{i}", f"r{i}", "w", 7, 100).status == "ok"
-    buckets = ledger.r.hgetall(ledger.k("A", "buckets"))
-    # Then: a few buckets hold them all, with their prompt tokens
-    assert sum(int(v) for f, v in buckets.items() if f != "_prompt") == 300
-    assert int(buckets["_prompt"]) == 7 * 300
-    assert len(buckets) <= 4
+    buckets = ledger.buckets("A")
+    # Then: a few buckets hold them all, with their caps and prompt tokens
+    assert sum(b.count for b in buckets) == 300
+    assert sum(b.caps for b in buckets) == 100 * 300
+    assert int(ledger.r.hget(ledger.k("A", "buckets"), "_prompt")) == 7 * 300
+    assert len(buckets) <= 3
     # When: every one ends (half committed, half released), the buckets empty out
     for i in range(300):
         if i % 2:
@@ -264,8 +273,7 @@ def test_a_stale_entry_does_not_block_a_new_admission(redis_url: str) -> None:
     time.sleep(0.3)
     assert led.admit("A", "s1", "r2", "new-owner", 5, 100).status == "ok"
     assert led.in_flight("A")["s1"]["rid"] == "r2"
-    assert sum(int(v) for f, v in led.r.hgetall(led.k("A", "buckets")).items()
-               if f != "_prompt") == 1
+    assert sum(b.count for b in led.buckets("A")) == 1
 
 
 def test_an_owner_takes_over_its_own_earlier_try(ledger: Ledger) -> None:
@@ -329,7 +337,8 @@ def test_a_commit_clears_the_samples_dead_letter(ledger: Ledger) -> None:
 
 
 def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> None:
-    # Given: random admits, commits, releases, takeovers and reclaims of 40 samples
+    # Given: random admits (caps repeated and distinct), commits, releases, takeovers and
+    # reclaims of 40 samples
     led = _ledger(redis_url, lease_s=0.05, token_budget=10**9)
     rng = random.Random(7)
     rids: dict[str, str] = {}
@@ -339,7 +348,8 @@ def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> N
         if action < 0.5:
             rid = f"r{step}"
             owner = rng.choice(["w1", "w2"])
-            if led.admit("A", sample, rid, owner, 5, rng.choice([100, 200])).status == "ok":
+            cap = rng.choice([100, 200, rng.randrange(1, 20000)])
+            if led.admit("A", sample, rid, owner, 5, cap).status == "ok":
                 rids[sample] = rid
         elif action < 0.7 and sample in rids:
             led.commit("A", sample, rids.pop(sample), 5, 10, False, 1.0)
@@ -349,6 +359,98 @@ def test_buckets_always_count_exactly_the_entries_in_flight(redis_url: str) -> N
             time.sleep(0.06)
             led.reap("A")
         # Then: after every step, the buckets admission reads hold exactly what is in flight
-        buckets = led.r.hgetall(led.k("A", "buckets"))
-        counted = sum(int(v) for f, v in buckets.items() if f != "_prompt")
-        assert counted == len(led.in_flight("A")) == led.r.zcard(led.k("A", "leases")), step
+        flight = led.in_flight("A")
+        buckets = led.buckets("A")
+        assert sum(b.count for b in buckets) == len(flight) == led.r.zcard(
+            led.k("A", "leases")), step
+        assert sum(b.caps for b in buckets) == sum(e["max_new_tokens"]
+                                                   for e in flight.values()), step
+
+
+# -- cap classes: admission's work stays bounded whatever the caps ---------------------
+
+
+def test_buckets_stay_bounded_when_every_request_has_its_own_cap(redis_url: str) -> None:
+    # Given: 2,000 requests, each with a cap of its own (long prompts get context - prompt - 1)
+    led = _ledger(redis_url, token_budget=10**12)
+    caps = [8 + 8 * i for i in range(2000)]
+    for i, cap in enumerate(caps):
+        assert led.admit("A", f"s{i}", f"r{i}", "w", 5, cap).status == "ok"
+    # Then: admission reads a bucket per (start, cap octave), not one per request: the starts
+    # are those of a grid of the largest cap's duration / 32 (16,000 / 50 tok/s / 32 = 10 s)
+    starts = [e["start"] for e in led.in_flight("A").values()]
+    grid = 1 + (max(starts) - min(starts)) // 10 + 1
+    octaves = len({cap.bit_length() for cap in caps})
+    fields = led.r.hlen(led.k("A", keys.BUCKETS)) - 1  # less "_prompt"
+    assert octaves == 11 and fields <= grid * octaves < 2000 / 10
+    # ... and they still hold exactly the requests and caps in flight
+    buckets = led.buckets("A")
+    assert len(buckets) == fields
+    assert sum(b.count for b in buckets) == 2000 and sum(b.caps for b in buckets) == sum(caps)
+
+
+def _expected_final(model: dict, p: float) -> float:
+    """lua/_lib.lua's expected_final (with a model): E[L | L > p]."""
+    t, m = model["t"], model["m"]
+    if p >= t[-1]:
+        return p + model["tail"]
+    hi = next(i for i, x in enumerate(t) if x > p)
+    lo = hi - 1
+    w = (p - t[lo]) / max(1, t[hi] - t[lo])
+    return max(m[lo] + w * (m[hi] - m[lo]), p)
+
+
+def test_distinct_caps_never_count_below_what_each_request_would(redis_url: str) -> None:
+    # Given: a length model of lognormal lengths (mean 3.7K) decoding at 400 tok/s, and 600
+    # requests in flight with caps of their own, 100-16,000
+    led = _ledger(redis_url, token_budget=10**12, admission_margin_sd=0.0)
+    rng = random.Random(5)
+    lengths = [min(16384, max(1, int(rng.lognormvariate(math.log(3700) - 0.5, 1.0))))
+               for _ in range(2000)]
+    model = stored(length_model(lengths, 400.0, 1.0, cap=16384))
+    led.r.set(led.k("A", keys.MODEL), json.dumps(model))
+    caps = rng.sample(range(100, 16000), 600)
+    for i, cap in enumerate(caps):
+        assert led.admit("A", f"s{i}", f"r{i}", "w", 5, cap).status == "ok"
+    # When: admission sums what they will count (the next request's own is not in it)
+    entries = list(led.in_flight("A").values())
+
+    def each_counted(now: float) -> float:
+        # What buckets of one cap each (the rule before cap classes) count: every request
+        # min(E[L | L > p], its cap), p from its bucket's start on the same time grid.
+        total = 0.0
+        for e in entries:
+            start = int(e["b"]) // CAP_CLASSES
+            total += min(_expected_final(model, max(0.0, now - start) * model["rate"]),
+                         e["max_new_tokens"])
+        return total
+
+    sec, usec = led.r.time()
+    before = each_counted(sec + usec / 1e6)
+    counted = led.admit("A", "probe", "rp", "w", 5, 100).expected_in_flight
+    sec, usec = led.r.time()
+    after = each_counted(sec + usec / 1e6)
+    # Then: never less than each request counted alone, and not much more
+    assert math.floor(before) <= counted <= 1.05 * after
+
+
+def test_the_benchmarks_bucket_field_is_the_scripts(ledger: Ledger) -> None:
+    # bench/bench_ledger.py writes in-flight state directly with admission.bucket_field
+    ledger.set_budget("A", 10**12)
+    for i, cap in enumerate((1, 100, 10240, 16384, 70000)):
+        ledger.admit("A", f"s{i}", f"r{i}", "w", 5, cap)
+        entry = ledger.in_flight("A")[f"s{i}"]
+        cap_max = int(ledger.r.hget(ledger.k("A", keys.STATS), "cap"))
+        assert entry["b"] == bucket_field(entry["start"], cap, cap_max, PRIOR_TOKENS_PER_S)
+
+
+def test_a_bucket_past_two_to_the_53_is_read_exactly(ledger: Ledger) -> None:
+    # Given: a bucket holding 5 requests whose caps sum to 2^35 + 12,345 (its value is past
+    # 2^53, where a double drops low bits)
+    caps = 2**35 + 12_345
+    field = bucket_field(1000.0, 2**30, 2**30, PRIOR_TOKENS_PER_S)
+    ledger.r.hset(ledger.k("A", keys.BUCKETS), field, caps * BUCKET_COUNT + 5)
+    ledger.set_budget("A", 10**15)
+    # Then: admission (no model yet: every request at its cap) reads both parts right
+    assert ledger.buckets("A") == [Bucket(float(int(field) // CAP_CLASSES), 5, caps)]
+    assert abs(ledger.admit("A", "s1", "r1", "w", 5, 100).expected_in_flight - caps) <= 1

@@ -1,22 +1,69 @@
 -- Shared by every ledger script (prepended when the script is registered).
--- In-flight requests live in three structures kept in step by drop_entry/add_entry:
+-- In-flight requests live in three structures kept in step by count_entry/drop_entry:
 --   flight  HASH sample -> JSON entry {rid, worker, server, start, max_new_tokens,
 --           prompt_tokens, b}, b = the bucket field the entry is counted in;
---   buckets HASH "<start bucket>:<cap>" -> count, and "_prompt" -> prompt tokens in flight
---           (what admission reads: O(buckets), never O(in flight));
+--   buckets HASH "<start * 64 + cap class>" -> "<sum of the caps * 2^24 + requests>" (see
+--           bucket_field and unpack_bucket), "_prompt" -> prompt tokens in flight: what
+--           admission reads, O(buckets), never O(in flight), and bounded whatever the caps;
 --   leases  ZSET sample -> lease deadline (Redis time, s), renewed by the owner's heartbeat.
+
+local floor, min, max = math.floor, math.min, math.max
 
 local function redis_now()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
+-- Cap classes are octaves of max_new_tokens (class k: caps in [2^k, 2^(k + 1))), so a
+-- dataset whose long prompts each get their own cap (context - prompt - 1) has a dozen
+-- classes at most, not a bucket per request. A bucket keeps the sum of its caps with its
+-- count: its requests count min(n * E[L | L > p], sum of caps), what n requests of one cap
+-- count exactly, and never less than requests of different caps count each.
+local CLASSES = 64
+local COUNT = 16777216  -- 2^24: a bucket's value is sum of caps * COUNT + requests
+
+local function cap_class(cap)
+  local _, e = math.frexp(max(1, cap))
+  return min(CLASSES - 1, e - 1)
+end
+
+-- The bucket field of a request starting now. Every class shares one time grid, the
+-- expected duration of the dataset's largest cap / 32 (1-60 s): a few dozen buckets for the
+-- largest class, half as many for the next (its requests end sooner), and so on: about 64
+-- in all whatever the caps. One cap (or one per queue) reads as the buckets did before
+-- cap classes: the same grid, one class each.
+local function bucket_field(now, cap, cap_max, rate)
+  local width = max(1, min(60, floor(cap_max / max(rate, 1e-3) / 32)))
+  return string.format('%d', floor(now / width) * width * CLASSES + cap_class(cap))
+end
+
+-- A bucket's value as (requests, sum of their caps). Below 2^53 a double holds it exactly and
+-- the split by a power of two is exact; past it (over 2^29 tokens of caps in one bucket) the
+-- low digits are read apart so the count stays exact.
+local function unpack_bucket(raw)
+  local v = tonumber(raw)
+  if v < 9007199254740992 then
+    local n = v % COUNT
+    return n, (v - n) / COUNT
+  end
+  local hi, lo = tonumber(string.sub(raw, 1, -7)), tonumber(string.sub(raw, -6))
+  local n = ((hi % COUNT) * 1000000 + lo) % COUNT
+  return n, (hi * 1000000 + lo - n) / COUNT
+end
+
+local function count_entry(buckets, field, cap, prompt_tokens)
+  redis.call('HINCRBY', buckets, field, cap * COUNT + 1)
+  redis.call('HINCRBY', buckets, '_prompt', prompt_tokens)
+end
+
 local function drop_entry(flight, buckets, leases, sample, raw)
   local e = cjson.decode(raw)
-  if e['b'] then
-    if redis.call('HINCRBY', buckets, e['b'], -1) <= 0 then
-      redis.call('HDEL', buckets, e['b'])
-    end
+  local b = e['b']
+  if b then
+    -- A "<start>:<cap>" field counts entries admitted before cap classes, one each.
+    local one = 1
+    if not string.find(b, ':', 1, true) then one = (e['max_new_tokens'] or 0) * COUNT + 1 end
+    if redis.call('HINCRBY', buckets, b, -one) <= 0 then redis.call('HDEL', buckets, b) end
     redis.call('HINCRBY', buckets, '_prompt', -(e['prompt_tokens'] or 0))
   end
   redis.call('HDEL', flight, sample)
@@ -54,7 +101,7 @@ end
 local function locate(t, p)
   local lo, hi = 1, #t
   while hi - lo > 1 do
-    local mid = math.floor((lo + hi) / 2)
+    local mid = floor((lo + hi) / 2)
     if t[mid] <= p then lo = mid else hi = mid end
   end
   return lo, hi
@@ -63,12 +110,12 @@ end
 local function expected_final(model, p, cap)
   if not model then return cap, 0 end
   local t, m, v = model['t'], model['m'], model['v']
-  if p < t[1] then return math.max(m[1], p), v[1] end
+  if p < t[1] then return max(m[1], p), v[1] end
   if p >= t[#t] then return p + model['tail'], v[#t] end
   local lo, hi = locate(t, p)
   -- E[L | L > t] grows with t: interpolate rather than take the lower threshold's value.
-  local w = (p - t[lo]) / math.max(1, t[hi] - t[lo])
-  return math.max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
+  local w = (p - t[lo]) / max(1, t[hi] - t[lo])
+  return max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
 end
 
 local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mean, total,
@@ -78,28 +125,50 @@ local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mea
   if raw then model = cjson.decode(raw) end
   local rate, mean = prior_rate, prior_mean
   if model then rate, mean = model['rate'], model['mean'] end
-  local expected, var, count, worst = 0, 0, 0, 0
+  local expected, var, count, worst, prompt = 0, 0, 0, 0, 0
+  -- E[L | L > p] and its variance by bucket start: the classes of one start share them.
+  local at_final, at_var = {}, {}
   local flat = redis.call('HGETALL', buckets)
   for i = 1, #flat, 2 do
-    local field = flat[i]
-    if field ~= '_prompt' then
-      local n = tonumber(flat[i + 1])
-      local colon = string.find(field, ':', 1, true)
-      local start = tonumber(string.sub(field, 1, colon - 1))
-      local cap = tonumber(string.sub(field, colon + 1))
-      count = count + n
-      worst = worst + n * cap
-      if precise and n > 0 then
-        -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
-        local p = math.min(math.max(0, now - start) * rate, cap)
-        local final, v = expected_final(model, p, cap)
-        expected = expected + n * math.min(final, cap)
-        var = var + n * v
-      end
-    elseif total then
-      expected = expected + tonumber(flat[i + 1])
-      worst = worst + tonumber(flat[i + 1])
+    local x = tonumber(flat[i])
+    local start, class, n, caps
+    if x then
+      class = x % CLASSES
+      start = (x - class) / CLASSES
+      n, caps = unpack_bucket(flat[i + 1])
+    elseif flat[i] == '_prompt' then
+      prompt = tonumber(flat[i + 1])
+    else  -- "<start>:<cap>", from before cap classes
+      local colon = string.find(flat[i], ':', 1, true)
+      local cap = tonumber(string.sub(flat[i], colon + 1))
+      start, class = tonumber(string.sub(flat[i], 1, colon - 1)), cap_class(cap)
+      n = tonumber(flat[i + 1])
+      caps = n * cap
     end
+    if n and n > 0 then
+      count = count + n
+      worst = worst + caps
+      if precise and not model then
+        expected = expected + caps
+      elseif precise then
+        -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
+        -- Each request counts min(E[L | L > p], its cap) (E[L | L > p] >= p: one past its
+        -- cap counts its cap), so n of them count at most min(n * E[L | L > p], their caps).
+        local p = max(0, now - start) * rate
+        local final = at_final[start]
+        if not final then
+          final, at_var[start] = expected_final(model, p, nil)
+          at_final[start] = final
+        end
+        expected = expected + min(n * final, caps)
+        -- Past every cap of its class a request counts its cap: no spread.
+        if p < 2 ^ (class + 1) then var = var + n * at_var[start] end
+      end
+    end
+  end
+  if total then
+    expected = expected + prompt
+    worst = worst + prompt
   end
   if model and model['var'] then var = var + model['var'] end
   return {expected = expected, var = var, count = count, mean = mean, rate = rate,

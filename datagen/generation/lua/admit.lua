@@ -7,8 +7,9 @@
 -- and whenever the worst case fits: committed + every request in flight and this one at
 -- its cap <= budget (nothing admitted so can end past the budget; a small budget does not
 -- wait on an early length model that is mostly prior).
--- In-flight requests are read as buckets of (start time, cap) with their counts, so the
--- cost grows with the buckets (a few dozen per cap), not with the requests in flight.
+-- In-flight requests are read as buckets of (start time, cap class) with their counts and
+-- cap sums, so the cost grows with the buckets (about 64, whatever the caps), not with the
+-- requests in flight.
 -- Time is Redis's (TIME), the same for every host.
 -- KEYS[1] run marker  KEYS[2] closed flag  KEYS[3] done hash  KEYS[4] flight hash
 -- KEYS[5] stats hash  KEYS[6] budgets hash  KEYS[7] model string (JSON, see admission.py)
@@ -66,18 +67,18 @@ if ARGV[9] == '1' and est.count > 0 and committed + expected + this_one + margin
   return {'wait', committed, math.floor(expected), 0}
 end
 
--- Buckets a few dozen wide per cap: width = the cap's expected duration / 32, 1-60 s.
-local width = math.max(1, math.min(60, math.floor(cap_here / math.max(rate, 1e-3) / 32)))
-local bucket = (math.floor(now / width) * width) .. ':' .. cap_here
+-- The largest max_new_tokens seen sets the buckets' time grid and bounds the length
+-- model's tail.
+local cap_max = tonumber(redis.call('HGET', KEYS[5], 'cap') or '0')
+if cap_here > cap_max then
+  redis.call('HSET', KEYS[5], 'cap', cap_here)
+  cap_max = cap_here
+end
+local bucket = bucket_field(now, cap_here, cap_max, rate)
 redis.call('HSET', KEYS[4], sample, cjson.encode({
   rid = ARGV[3], worker = ARGV[4], server = ARGV[5], start = now,
   max_new_tokens = cap_here, prompt_tokens = tonumber(ARGV[6]), b = bucket}))
-redis.call('HINCRBY', KEYS[8], bucket, 1)
-redis.call('HINCRBY', KEYS[8], '_prompt', tonumber(ARGV[6]))
+count_entry(KEYS[8], bucket, cap_here, tonumber(ARGV[6]))
 redis.call('ZADD', KEYS[9], now + tonumber(ARGV[13]), sample)
 redis.call('ZREM', KEYS[10], sample)
--- The largest max_new_tokens seen bounds the length model's tail.
-if cap_here > tonumber(redis.call('HGET', KEYS[5], 'cap') or '0') then
-  redis.call('HSET', KEYS[5], 'cap', cap_here)
-end
 return {'ok', committed, math.floor(expected), 0}

@@ -1,0 +1,49 @@
+"""The heartbeat's reaper against a real Redis: when lost work is given back."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import wait_until
+
+from config.settings import Settings
+from datagen import keys
+from datagen.generation.job import Job
+from datagen.generation.lease import LeaseBook
+from datagen.generation.ledger import Ledger, connect
+from datagen.generation.liveness import Heartbeat
+
+
+def test_a_stale_lease_is_reaped_at_its_deadline_not_at_a_later_beat(redis_url: str) -> None:
+    # Given: a live worker's heartbeat (lease 6 s: it beats every 2 s and may reap once it has
+    # been in touch with Redis for a lease), and a dead worker's request in flight
+    lease_s = 6.0
+    led = Ledger(connect(redis_url), Settings(redis_url=redis_url, lease_s=lease_s))
+    led.register(["A"])
+    led.mark_run()
+    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
+    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    assert led.admit("A", "s1", "r1", "dead-owner", 5, 100).status == "ok"
+    requeued: list[tuple[Job, float]] = []
+
+    def requeue(j: Job) -> None:
+        sec, usec = led.r.time()
+        requeued.append((j, sec + usec / 1e6))
+
+    beat = Heartbeat(led, LeaseBook(led, "live-owner"), lease_s, requeue)
+    beat.start()
+    try:
+        # When: the dead request's lease ends between two beats, half a second after the
+        # heartbeat may first reap (the beats reaped every other beat, the lock held half a
+        # lease: 3.5 s after this deadline)
+        sec, usec = led.r.time()
+        deadline = sec + usec / 1e6 + lease_s + 0.5
+        led.r.zadd(led.k("A", keys.LEASES), {"s1": deadline})
+        wait_until(lambda: requeued, 3 * lease_s, what="the stale request to be re-enqueued")
+    finally:
+        beat.stop()
+    # Then: it was re-enqueued at its deadline, not at a later beat
+    (again, at), = requeued
+    assert again == job
+    assert deadline <= at <= deadline + 1.0, at - deadline
+    assert led.in_flight("A") == {}
