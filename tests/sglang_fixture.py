@@ -53,12 +53,19 @@ class RealServer:
         return _alive(self.pid)
 
     def request_log(self) -> list[dict]:
-        """The server's own request log (``--log-requests``, JSON lines)."""
+        """The server's own request log (``--log-requests``, JSON lines). SGLang writes each
+        row after a ``[date time] `` stamp, so a row is read from its first ``{``; a line
+        it is still writing (no closing brace yet) is left for the next read."""
         rows = []
         for path in sorted(self.request_log_dir.glob("*")):
             for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    rows.append(json.loads(line))
+                start = line.find("{")
+                if start < 0 or not line.endswith("}"):
+                    continue
+                try:
+                    rows.append(json.loads(line[start:]))
+                except ValueError:
+                    continue  # half a line, written while we read
         return rows
 
 
