@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import Stack, write_jsonl
-from served import served, unique_dataset
-from sglang_fixture import RealServer
+from sglang_fixture import RealServer, unique_dataset
 
 from cli.stack import REPO, child_env
 from datagen.generation.ledger import Ledger
@@ -110,7 +109,7 @@ def test_a_real_server_run_stores_transformers_greedy_outputs(
                                                    + [f"l{i}" for i in range(4)])
     assert ledger.snapshot(dataset)["tokens"] == sum(r["completion_tokens"] for r in recs)
     assert {r["queue"] for r in recs if r["id"].startswith("l")} == {"long"}
-    log = served(real_sglang, dataset)
+    log = real_sglang.served(dataset)
     for rec in recs:
         seen = log[rec["rid"]]
         assert seen.finish == rec["finish_reason"]["type"] and seen.normal, (rec, seen)
