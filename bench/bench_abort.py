@@ -146,7 +146,7 @@ def _measure(server: Server, dataset: str, settings: Any, ledger: Ledger, env: d
         "tokens_counted_after_close": ledger.snapshot(dataset)["tokens"] - tokens_at_close,
         "close_to_last_answer_s": (round(max(e.finished for e in ended) - closed_at, 3)
                                    if ended and not still else None),
-        "decoded_after_close_tokens_at_end": sum(e.completion_tokens for e in ended),
+        "completion_tokens_at_end": sum(e.completion_tokens for e in ended),
     }
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -51,6 +53,9 @@ SIMULATOR_ARGS = ["--max-running-requests", "48", "--mean-output-tokens", "300",
 
 def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    # SIGTERM (a timeout, `kill`) unwinds like Ctrl-C, so the finally below stops the
+    # server and workers: each runs in a session of its own and would outlive the demo.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     real = getattr(args, "server", "simulator") == "sglang"
     if real and sglang.unavailable_reason():
         print(f"demo --server sglang: {sglang.unavailable_reason()}")

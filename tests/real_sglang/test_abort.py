@@ -34,7 +34,8 @@ from cli.stack import REPO, Process, child_env
 from datagen.generation.merge import merge_dataset
 from producers.producer import Producer
 
-pytestmark = pytest.mark.slow
+# Each waits on the shared server, which decoded ~1-10 tokens/s on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SHORT_CAP, LONG_CAP = 16, 2048
 LONG_THRESHOLD = 60

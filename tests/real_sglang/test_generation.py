@@ -28,7 +28,7 @@ from datagen.generation.ledger import Ledger
 from datagen.generation.merge import merge_dataset
 from datagen.generation.records import iter_records, records_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 NEAR_TIE = 2e-3
 SHORT_CAP, LONG_CAP = 32, 24
