@@ -166,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_extraction_flags(parsers)
     parsers["demo"].add_argument("--workdir", default="runs/demo",
                                  help="folder of the demo run (default runs/demo)")
+    parsers["demo"].add_argument("--server", choices=("simulator", "sglang"),
+                                 default="simulator",
+                                 help="what generates: the SGLang simulator (default, fast) or "
+                                 "a real SGLang on the CPU (make sglang-env; a few minutes)")
     parsers["demo"].add_argument("--keep", action="store_true",
                                  help="leave Redis, simulator and workers running")
     return parser

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from cli import sglang
+from cli import sglang, sglang_log
+from datagen.client import rid_prefix
 
 RUN_DIR_ENV = "DATAGEN_TEST_RUN_DIR"
 REAL_TESTS = Path(__file__).resolve().parent / "real_sglang"
@@ -54,12 +56,27 @@ class RealServer:
 
     def request_log(self) -> list[dict]:
         """The server's own request log (``--log-requests``, JSON lines)."""
-        rows = []
-        for path in sorted(self.request_log_dir.glob("*")):
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    rows.append(json.loads(line))
-        return rows
+        return sglang_log.request_rows(self.request_log_dir)
+
+    def served(self, dataset: str) -> dict[str, sglang_log.Served]:
+        """rid -> what the server did with it, for every request of ``dataset`` it
+        received. The servers are shared by every test of a run (and by every process with
+        a kept run folder), so each test names its dataset uniquely (``unique_dataset``):
+        every rid starts with its dataset's prefix."""
+        return sglang_log.served(self.request_log(), rid_prefix(dataset))
+
+    def disconnected(self) -> set[str]:
+        """The rids the server aborted itself because their client went away."""
+        return sglang_log.disconnected(self.log)
+
+    def decoding(self, dataset: str, rids: set[str]) -> set[str]:
+        """Those of ``rids`` the server received and has not ended."""
+        return sglang_log.decoding(self.served(dataset), rids, self.disconnected())
+
+
+def unique_dataset(stem: str) -> str:
+    """A dataset name no other test or run on the shared servers uses."""
+    return f"{stem}_{uuid.uuid4().hex[:8]}"
 
 
 def run_dir() -> Path:
