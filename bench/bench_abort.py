@@ -92,8 +92,6 @@ def run_once(server: Server, work: Path, args: argparse.Namespace) -> dict[str, 
             "long_threshold_tokens": str(LONG_THRESHOLD),
             "long_concurrency": str(args.requests), "short_concurrency": "1",
             "abort_on_close": "true", "read_timeout_s": "3600", "lease_s": "10",
-            # TODO(protocol): drop once the context length is read from the server
-            "context_length": "32768",
             "budgets": json.dumps({dataset: 10**9}),
         }.items()}
         settings = load_settings(None, env=env)

@@ -57,9 +57,7 @@ def configure(stack: Stack, server: RealServer, part: Path, **settings: Any) -> 
         server_url=server.url, data_dir=str(part), tokenizer_path=str(server.model_dir),
         sampling_params={"temperature": 0}, short_max_tokens=SHORT_CAP,
         long_max_tokens=LONG_CAP, long_threshold_tokens=LONG_THRESHOLD, lease_s=3.0,
-        read_timeout_s=900.0, abort_on_close=True,
-        context_length=32768,  # TODO(protocol): drop once the context is read from the server
-        **settings)
+        read_timeout_s=900.0, abort_on_close=True, **settings)
 
 
 def rids_of(ledger: Any, dataset: str, proc: Process) -> set[str]:

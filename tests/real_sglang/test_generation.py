@@ -88,8 +88,7 @@ def test_a_real_server_run_stores_transformers_greedy_outputs(
         server_url=real_sglang.url, data_dir=str(make_partition(stack.tmp, dataset)),
         tokenizer_path=str(real_sglang.model_dir), sampling_params={"temperature": 0},
         short_concurrency=4, long_concurrency=2, short_max_tokens=SHORT_CAP,
-        long_max_tokens=LONG_CAP, long_threshold_tokens=LONG_THRESHOLD, read_timeout_s=600.0,
-        context_length=32768)  # TODO(protocol): drop once the context is read from the server
+        long_max_tokens=LONG_CAP, long_threshold_tokens=LONG_THRESHOLD, read_timeout_s=600.0)
     stack.worker("short")
     stack.worker("long")
     stack.wait_workers(2)
