@@ -4,8 +4,9 @@ against the `hf` backend's ``data_{idx}.ckpt`` files for the same ids and aux la
 
 Both run float16. Tolerance: SGLang's CPU path (torch-native RMSNorm, its own attention and
 fused gate/up projection) rounds in other places than transformers' sdpa forward, and each
-float16 rounding is up to 2**-11 relative; over 3 decoder layers that stays well under 1% of
-the states' mean magnitude. The check is also that it is far under the difference between
+float16 rounding is up to 2**-11 (4.9e-4) relative. Measured here: 0.8e-4 to 5.7e-4 of the
+states' mean magnitude per layer; the tolerance is 5e-3, ten float16 roundings, and stays far
+under the difference between
 two neighbouring layers, so an off-by-one layer index (SGLang captures layer i's output as
 layer i+1's input) would fail it.
 """
@@ -26,7 +27,7 @@ from datagen.extraction.extractor import ExtractionConfig, Extractor
 
 DRIVER = Path(__file__).resolve().parent / "sglang_aux_states.py"
 AUX_IDS = (2, 0, 1)   # not in layer order: SGLang answers in layer order, the files do not
-TOLERANCE = 1e-2      # mean |sglang - hf| / mean |hf|, per aux layer (see the docstring)
+TOLERANCE = 5e-3      # mean |sglang - hf| / mean |hf|, per aux layer (see the docstring)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,7 +1,7 @@
 """How to ask SGLang 0.5.23's own ``sglang.Engine`` for the aux layer states the `sglang`
 backend stores: the settings and the layer-id rule that tests/real_sglang/ checks against the
 `hf` backend's files. SpecForge's capture (backends/sglang.py) cannot run on SGLang 0.5.23
-(docs/DESIGN.md, "Extraction backends"); this is SGLang's public path to the same states.
+(docs/DESIGN.md, "Backends"); this is SGLang's public path to the same states.
 
 SGLang 0.5.23 returns hidden states from its public API in two ways, never both from one
 engine:
@@ -20,8 +20,8 @@ ModelRunner. No such backend is built yet.
 
 The captured layers come back in layer order, whatever order they were asked in, and a layer
 id may not repeat: ask for the sorted distinct ids (``aux_request_ids``) and put the columns
-back in the order, repeats included, the backend stores them. Radix (prefix) caching is off, else a
-row sharing a prefix with an earlier one would be only partly computed and returned;
+back in the order, repeats included, the backend stores them. Radix (prefix) caching is off,
+else a row sharing a prefix with an earlier one would be only partly computed and returned;
 chunked prefill is off, so a row is one extend forward.
 """
 
