@@ -16,7 +16,9 @@ call, returning per request the aux states [L, 3H] and the final post-norm state
 Every request of one ``capture`` call is a row of ``input_ids``, taken whole (padding
 included), so this backend sends one sample per call and never packs. It needs CUDA, SGLang
 and SpecForge (the `sglang` extra): it is unit-tested against a stand-in object with the same
-interface and has not run here; verify it on a GPU node before a real run.
+interface and has not run here; verify it on a GPU node before a real run. SpecForge's capture
+does not import on SGLang 0.5.23 (it needs the 0.5.14 it pins); what 0.5.23 itself computes for
+the aux layers is checked against the `hf` files in tests/real_sglang/test_aux_states.py.
 """
 
 from __future__ import annotations
