@@ -53,13 +53,25 @@ class RealServer:
         return _alive(self.pid)
 
     def request_log(self) -> list[dict]:
-        """The server's own request log (``--log-requests``, JSON lines)."""
+        """The server's own request log (``--log-requests``): one JSON object a line, after
+        a ``[date time] `` prefix (``{"event": "request.received" | "request.finished",
+        "rid": ..., ...}``); a line still being written is left for the next read."""
         rows = []
         for path in sorted(self.request_log_dir.glob("*")):
             for line in path.read_text(errors="replace").splitlines():
-                if line.startswith("{"):
-                    rows.append(json.loads(line))
+                start = line.find("{")
+                if start < 0:
+                    continue
+                try:
+                    rows.append(json.loads(line[start:]))
+                except ValueError:
+                    continue
         return rows
+
+    def logged(self, event: str, rid: str) -> bool:
+        """Whether the request log has ``event`` ("request.received", "request.finished")
+        for ``rid``."""
+        return any(r.get("event") == event and r.get("rid") == rid for r in self.request_log())
 
 
 def run_dir() -> Path:
