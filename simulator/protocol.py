@@ -57,8 +57,9 @@ def parse_generate(body: object, config: SimulatorConfig) -> GenerateCall:
 
 def build_request(item: GenerateItem, config: SimulatorConfig, stream: bool,
                   dataset: str | None) -> SimRequest:
-    plan = plan_output(config, item.input_ids, item.max_new_tokens, item.sampling_seed,
-                       item.min_new_tokens, item.ignore_eos, item.stop_token_ids)
+    plan = plan_output(config, item.input_ids, scheduled_max_new_tokens(item, config),
+                       item.sampling_seed, item.min_new_tokens, item.ignore_eos,
+                       item.stop_token_ids)
     return SimRequest(
         rid=item.rid,
         prompt_tokens=len(item.input_ids),
@@ -67,6 +68,16 @@ def build_request(item: GenerateItem, config: SimulatorConfig, stream: bool,
         stream_interval=item.stream_interval or config.stream_interval,
         dataset=dataset,
     )
+
+
+def scheduled_max_new_tokens(item: GenerateItem, config: SimulatorConfig) -> int:
+    """max_new_tokens as SGLang's scheduler lowers it, silently, to fit the request:
+    ``min(max_new_tokens, max_req_len - input - 1)`` with max_req_len = max_req_input_len + 5
+    (context - 1 unless the KV pool is smaller). So input + max_new_tokens = context is
+    accepted but ends at context - input - 2 tokens, finish_reason length (measured on
+    SGLang 0.5.23: 4080 + 16 at context 4096 made 14)."""
+    room = config.max_req_input_len + 5 - len(item.input_ids) - 1
+    return max(0, min(item.max_new_tokens, room))
 
 
 def result_body(req: SimRequest, count: int, finish_reason: dict | None,

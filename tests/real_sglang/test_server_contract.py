@@ -135,7 +135,10 @@ def test_input_plus_max_new_tokens_may_fill_the_context_but_not_exceed_it(
     over = post(real_sglang_context, {"input_ids": prompt(length),
                                       "sampling_params": {"max_new_tokens": room + 1}})
     assert full.status_code == 200, full.text
-    assert full.json()["meta_info"]["completion_tokens"] <= room
+    # served, but the scheduler lowers max_new_tokens to max_req_len - input - 1 (context - 1
+    # - input - 1): two tokens short of the context, finish_reason length all the same
+    assert full.json()["meta_info"]["finish_reason"] == {"type": "length", "length": room - 2}
+    assert len(full.json()["output_ids"]) == room - 2
     assert over.status_code == 400
     assert over.json() == {"error": {"message": (
         f"Requested token count exceeds the model's maximum context length of "

@@ -97,3 +97,13 @@ def test_an_aborted_request_answers_sglangs_abort_reason():
         thread.join(10)
     assert out["result"].json()["meta_info"]["finish_reason"] == {
         "type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def test_max_new_tokens_is_lowered_to_what_the_scheduler_has_room_for():
+    # Context 100: max_req_len 99, so an input of 80 gets at most 99 - 80 - 1 = 18 tokens.
+    with running_sim(context_length=100, lengths="fixed:1000") as url:
+        capped = generate(url, list(range(3, 83)), sampling_params={"max_new_tokens": 19})
+        fits = generate(url, list(range(3, 83)), sampling_params={"max_new_tokens": 18})
+    assert capped.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 18}
+    assert len(capped.json()["output_ids"]) == 18
+    assert fits.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 18}
