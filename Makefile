@@ -150,7 +150,7 @@ bench-load: install ## enqueue 100,000 prompts of ~2K tokens: Redis memory, prod
 bench-ledger: install ## Redis time per admit/commit at 0-10,000 in flight; traffic per sample
 	$(PY) bench/bench_ledger.py --system
 
-bench-memory: install ## merge and rebuild peak memory at 100,000 records (goal <= 500 MB)
+bench-memory: install ## rebuild, merge and prepare peak memory at 100,000 records (goal <= 500 MB)
 	$(PY) bench/bench_memory.py
 
 lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra but torch)

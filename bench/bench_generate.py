@@ -77,7 +77,7 @@ from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
-from producers.producer import Producer, classify, context_length  # noqa: E402
+from producers.producer import Producer, classify, server_limits  # noqa: E402
 
 RATIO_GOAL = 0.98
 # A fast server (issue 11 section 8): the queue may cost more there, but not much more.
@@ -407,7 +407,7 @@ def _first_send_clock(app: Any) -> list[float]:
 def direct_jobs(bench: Bench, rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """(queue, /generate body) per prompt, with the producer's tokenization and classification."""
     settings = bench.settings
-    ctx_len = context_length(settings)
+    ctx_len = server_limits(settings)
     jobs = []
     for ids in bench.encoder.encode_batch([row["messages"] for row in rows]):
         plan = classify(settings, len(ids), ctx_len)

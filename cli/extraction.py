@@ -26,6 +26,7 @@ from datagen.extraction.estimate import (
     load_calibration,
 )
 from datagen.extraction.manifest import shard_name
+from datagen.generation.committed import Committed
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.training import draft_config, handoff, training_set
@@ -45,11 +46,12 @@ def cmd_prepare(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def committed_maps(settings: Settings) -> dict[str, dict[str, str] | None]:
-    """Per dataset the ledger's committed map; {} (every record counts) without Redis."""
+def committed_maps(settings: Settings) -> dict[str, Committed | None]:
+    """Per dataset the ledger's committed map (its hashes: 24 bytes a sample); {} (every
+    record counts) without Redis."""
     try:
         ledger = _ledger(settings)
-        return {ds: ledger.committed(ds) or None
+        return {ds: ledger.committed_index(ds)
                 for ds in datasets_on_disk(settings.output_dir)}
     except redis.RedisError as exc:
         print(f"Redis not reachable ({exc}): every record on disk counts, earliest copy per id")
@@ -126,8 +128,7 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     send = xlm.nowhere(todo, xl, EXTRACT_TASK)
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)
-    for s in send:
-        runner.send_shard(app, s.path)
+    runner.enqueue(app, xl, [s.path for s in send])
     print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
           f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
           flush=True)
@@ -191,12 +192,12 @@ def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.Shard
 
 def _resend_lost(xl: xlm.ExtractionLedger, app: Any, todo: list[xlm.ShardState],
                  nowhere_since: dict[str, float], now: float) -> dict[str, float]:
-    """A worker killed mid-shard took its message (early ack): once its lease lapses the
-    shard is nowhere. Seen so for a few seconds in a row, it is sent again."""
+    """A shard to do with no ledger entry at all (Redis lost it: every shard sent has one,
+    and the reaper sends those again). Seen so for a few seconds in a row, it is sent again."""
     since = {s.path: nowhere_since.get(s.path, now) for s in xlm.nowhere(todo, xl, EXTRACT_TASK)}
     for path, first_seen in list(since.items()):
         if now - first_seen > LOST_AFTER_S:
-            runner.send_shard(app, path, retry=True)
+            runner.enqueue(app, xl, [path], retry=True)
             print(f"{path}: not done, not running, not queued: enqueued again", flush=True)
             del since[path]
     return since

@@ -46,7 +46,7 @@ def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:
 
 def merge_all(settings: Settings, ledger: Ledger, include_uncommitted: bool = False) -> None:
     for dataset in datasets_on_disk(settings.output_dir):
-        committed = ledger.committed(dataset) or None
+        committed = ledger.committed_index(dataset)
         report = merge_dataset(settings.output_dir, dataset, committed, include_uncommitted)
         extra = f", {report.duplicates} duplicates dropped" if report.duplicates else ""
         if report.uncommitted:

@@ -65,7 +65,7 @@ class Settings:
     short_max_tokens: int = 10240  # max_new_tokens of short prompts
     long_concurrency: int = 32  # threads of a `long` worker
     long_max_tokens: int = 16384  # max_new_tokens of long prompts
-    context_length: int | None = None  # None: read from /server_info; unknown: nothing enqueued
+    context_length: int | None = None  # None: the server's; may lower it, not raise it
     sampling_params: dict[str, Any] = field(  # SGLang sampling_params besides max_new_tokens
         default_factory=lambda: {"temperature": 0.7, "top_p": 0.95}
     )
@@ -76,7 +76,7 @@ class Settings:
     budget_counts: str = "completion"  # what counts: "completion" or "total" (+ prompt)
     max_samples: int | None = None  # also close a dataset after this many samples
     keep_truncated: bool = True  # keep responses cut at max_new_tokens (else dead-letter)
-    abort_on_close: bool = False  # abort in-flight requests when a dataset closes
+    abort_on_close: bool = False  # a close aborts each in-flight request by its exact rid
     precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
     # Higher lands closer to the budget from below, at the price of a slower finish.
     admission_margin_sd: float = 1.0  # reserve, in sd of what is in flight, at admission

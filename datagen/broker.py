@@ -26,8 +26,18 @@ Measured (BENCHMARKS.md, "The queue's own cost on a fast server"): the workers' 
 1,000 samples 3.25-4.11 s before, 2.44-2.76 s after, in four runs each; Redis round trips
 per generated sample for every client together 8.2 before, 3.7 after.
 
-The gpu queue keeps kombu's acks (its consumer is a prefork parent that hands the message
-to a child).
+The gpu queue is consumed with ``no_ack`` too, for another reason: no message of it may wait
+in `unacked`, because the extraction ledger governs re-runs (datagen/extraction/ledger.py) and
+kombu would deliver such a message again once the 12 h visibility timeout is out, long after
+its shard was re-run: a late duplicate. With acks, one did wait there: rank 0 of a replica runs
+the solo pool, and Celery's early ack goes through ``hub.call_soon``, which runs only once the
+task returns, so the shard's message sat in `unacked` for the whole run, and for 12 h after a
+kill. One shard at a time still holds without kombu's count of delivered messages:
+``worker_disable_prefetch`` makes the poller ask Celery's reserved requests, not kombu, whether
+another BRPOP may go out (celery/worker/consumer/tasks.py), and a prefork worker's request is
+reserved until its child has run it. A message taken but not started (the worker died in
+between) is covered by the ledger: each shard's entry is written before its message is sent,
+and the reaper sends a shard again that has stayed neither queued nor leased for a lease.
 """
 
 from __future__ import annotations
@@ -46,8 +56,8 @@ from kombu import transport as kombu_transport
 from kombu.asynchronous import get_event_loop
 from kombu.transport import redis as kombu_redis
 
-# Queues whose tasks are consumed without kombu's unacked bookkeeping.
-NO_ACK_QUEUES = frozenset({"short", "long"})
+# Queues whose tasks are consumed without kombu's unacked bookkeeping: every queue of a run.
+NO_ACK_QUEUES = frozenset({"short", "long", "gpu"})
 TRANSPORT = "datagen.broker:Transport"
 SCHEMES = ("redis", "rediss")
 EVENT_FLUSH_S = 0.1
@@ -101,7 +111,7 @@ def install() -> None:
 
 
 class NoAckAMQP(AMQP):
-    """Celery's AMQP helpers, consuming the generation queues with ``no_ack``."""
+    """Celery's AMQP helpers, consuming the run's queues with ``no_ack``."""
 
     def TaskConsumer(self, channel: Any, queues: Any = None, accept: Any = None,  # noqa: N802
                      **kw: Any) -> Any:

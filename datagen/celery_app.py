@@ -47,8 +47,8 @@ def celery_config(settings: Settings) -> dict[str, object]:
 
 
 def make_app(settings: Settings) -> Celery:
-    # kombu's Redis transport less a client per call and the generation queues' unacked
-    # bookkeeping, Celery's events in batches (datagen/broker.py says why, and what it saves).
+    # kombu's Redis transport less a client per call and the queues' unacked bookkeeping,
+    # Celery's events in batches (datagen/broker.py says why, and what it saves).
     broker.install()
     app = Celery("datagen", set_as_current=False, amqp="datagen.broker:NoAckAMQP",
                  events="datagen.broker:Events")

@@ -16,10 +16,10 @@ because SGLang keeps decoding for a client that went away.
 ``server_url`` may be the SGLang router (``sglang-router``) in front of several
 servers. The router proxies ``/generate`` but has no ``/abort_request`` route (it
 answers 404; checked with sglang-router 0.3.2 and its source's route table) and no
-``/server_info`` with a context length, so for those two the client asks the servers
-the router lists at ``GET /workers``: an abort goes to every one of them (SGLang
-answers 200 for a rid it does not run, so only the server running it acts), and the
-context length is the smallest of theirs.
+``/server_info``, so for those two the client asks the servers the router lists at
+``GET /workers``: an abort goes to every one of them (SGLang answers 200 for a rid it
+does not run, so only the server running it acts), and the limits are the smallest of
+theirs.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ log = logging.getLogger(__name__)
 DATASET_HEADER = "X-Datagen-Dataset"
 RETRY_STATUS = {500, 502, 503, 504}
 HEALTH_CACHE_S = 1.0
-# How long the servers a router lists are reused for aborts (a shutdown aborts each of
-# its requests in turn; the router's set of servers changes rarely).
+# How long the servers a router lists are reused for aborts (a close or a shutdown aborts
+# each of its requests; the router's set of servers changes rarely).
 BACKENDS_CACHE_S = 10.0
 # A data-parallel router lists each rank as "<url>@<rank>"; the server is "<url>".
 _DP_RANK = re.compile(r"@\d+$")
@@ -62,15 +62,49 @@ RID_PREFIX_LEN = 12
 
 
 def rid_prefix(dataset: str) -> str:
-    """The fixed-length start of every rid of a dataset: SGLang's ``/abort_request``
-    matches rids by prefix, so one call with it aborts the dataset's requests on a server
-    (fixed length, so no dataset's prefix is the start of another's)."""
+    """The fixed-length start of every rid of a dataset, so a server's log tells the
+    dataset of each request (the router drops the dataset header). Not for aborts:
+    SGLang 0.5.23 matches an ``/abort_request`` rid exactly (a prefix aborts nothing)."""
     return "d" + hashlib.sha1(dataset.encode("utf-8")).hexdigest()[:RID_PREFIX_LEN - 1]
 
 
 def new_rid(dataset: str = "") -> str:
     """Unique rid of fixed length, starting with the dataset's prefix."""
     return rid_prefix(dataset) + uuid.uuid4().hex
+
+
+# SGLang 0.5.23: max_req_input_len = min(context - 1, KV-cache tokens - 1) - 5, i.e.
+# context - 6 where the server does not say.
+INPUT_RESERVE = 6
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a server accepts (SGLang 0.5.23): an input of fewer than ``max_input_tokens``
+    tokens (its ``max_req_input_len``; more is a 400), and input + max_new_tokens of at
+    most ``context_length``."""
+
+    context_length: int
+    max_input_tokens: int
+    source: str  # where the context length was read, for messages
+
+    def room(self, prompt_tokens: int) -> int:
+        """The most new tokens a prompt may ask for; < 1: the server refuses it. One less
+        than SGLang takes (it refuses only prompt + max_new_tokens > context)."""
+        if prompt_tokens >= self.max_input_tokens:
+            return 0
+        return self.context_length - prompt_tokens - 1
+
+    def refusal(self, prompt_tokens: int) -> str:
+        """Why the server refuses a prompt of this length ("" when it does not)."""
+        if self.context_length - prompt_tokens - 1 < 1:
+            return (f"prompt has {prompt_tokens} tokens; the context length "
+                    f"{self.context_length} leaves no room for a response")
+        if prompt_tokens >= self.max_input_tokens:
+            return (f"prompt has {prompt_tokens} tokens; the server takes inputs of fewer than "
+                    f"{self.max_input_tokens} (max_req_input_len; context length "
+                    f"{self.context_length})")
+        return ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +136,7 @@ class SGLangClient:
         self._health_at = -1e9
         self._health_ok = True
         self._backends: tuple[float, list[str]] = (-1e9, [])
+        self._backends_lock = threading.Lock()
         self._direct = _Connections.for_url(self.base_url, connect_timeout_s, read_timeout_s)
         self._headers = {"Content-Type": "application/json"}
         if api_key:
@@ -144,8 +179,9 @@ class SGLangClient:
         return _parse_generation(status, content, reason, started)
 
     def abort(self, rid: str) -> None:
-        """``/abort_request`` for ``rid`` (SGLang matches it as a prefix); behind a
-        router that has no such route, on every server the router lists."""
+        """``/abort_request`` for exactly ``rid`` (SGLang 0.5.23 drops a rid it does not
+        run, answering 200: a prefix aborts nothing); behind a router that has no such
+        route, on every server the router lists."""
         status = self._post_abort(self.base_url, rid)
         if status != 404:
             return
@@ -172,11 +208,12 @@ class SGLangClient:
         """The servers behind ``base_url`` when it is an SGLang router, else []:
         ``GET /workers`` (``{"workers": [{"url": ...}]}``), or ``GET /list_workers``
         (``{"urls": [...]}``) of older routers; reused for BACKENDS_CACHE_S."""
-        fetched_at, urls = self._backends
-        if time.monotonic() - fetched_at < BACKENDS_CACHE_S:
-            return urls
-        urls = self._list_backends()
-        self._backends = (time.monotonic(), urls)
+        with self._backends_lock:  # a close's aborts ask from many threads at once
+            fetched_at, urls = self._backends
+            if time.monotonic() - fetched_at < BACKENDS_CACHE_S:
+                return urls
+            urls = self._list_backends()
+            self._backends = (time.monotonic(), urls)
         if urls:
             log.info("%s is a router: aborts and the context length go to its %d servers",
                      masked_url(self.base_url), len(urls))
@@ -208,20 +245,53 @@ class SGLangClient:
             self._health_at, self._health_ok = time.monotonic(), ok
             return ok
 
-    def server_info(self) -> dict[str, Any]:
-        """``/server_info``; behind a router, that of the server with the smallest
-        context length (so every prompt the producer sizes fits on each server)."""
+    def limits(self) -> Limits:
+        """The context length and longest input the server accepts; behind a router, the
+        smallest of its servers' (so every prompt the producer sizes fits on each one).
+
+        SGLang's ``/server_info`` ``context_length`` is the launch argument, null unless
+        the server was started with ``--context-length``: then ``/v1/models``
+        ``data[0].max_model_len`` (the model's own) is the one in force. ``max_req_input_len``
+        (context - 6 in SGLang 0.5.23) is the longest input it takes.
+        """
         info, error = self._server_info(self.base_url)
-        if info is not None and info.get("context_length"):
-            return info
-        found = [i for i, _ in map(self._server_info, self.backends())
-                 if i is not None and i.get("context_length")]
-        if found:
-            return min(found, key=lambda i: int(i["context_length"]))
         if info is not None:
-            return info
-        raise ServerUnavailable(
-            f"cannot read {masked_url(self.base_url)}/server_info: {error}") from error
+            found = self._limits_of(self.base_url, info)
+            if found is not None:
+                return found
+        behind = [x for x in (self._limits_of(url) for url in self.backends()) if x]
+        if behind:
+            return Limits(min(x.context_length for x in behind),
+                          min(x.max_input_tokens for x in behind),
+                          "the smallest of " + ", ".join(x.source for x in behind))
+        where = masked_url(self.base_url)
+        if info is None:
+            raise ServerUnavailable(f"cannot read {where}/server_info: {error}") from error
+        raise ServerUnavailable(f"{where}/server_info has no context_length and "
+                                "/v1/models no max_model_len")
+
+    def _limits_of(self, url: str, info: dict[str, Any] | None = None) -> Limits | None:
+        if info is None:
+            info = self._server_info(url)[0]
+            if info is None:
+                return None
+        where = masked_url(url)
+        context, source = _positive(info.get("context_length")), f"{where}/server_info"
+        if context is None:
+            context, source = self._max_model_len(url), f"{where}/v1/models max_model_len"
+        if context is None:
+            return None
+        max_input = _positive(info.get("max_req_input_len"))
+        return Limits(context, min(context - 1, max_input or context - INPUT_RESERVE), source)
+
+    def _max_model_len(self, url: str) -> int | None:
+        try:
+            resp = self.session.get(f"{url}/v1/models", timeout=(5, 30))
+            resp.raise_for_status()
+            return _positive(resp.json()["data"][0].get("max_model_len"))
+        except (requests.RequestException, ValueError, KeyError, IndexError, TypeError,
+                AttributeError):
+            return None
 
     def _server_info(self, url: str) -> tuple[dict[str, Any] | None, Exception | None]:
         try:
@@ -231,6 +301,14 @@ class SGLangClient:
         except (requests.RequestException, ValueError) as exc:
             return None, exc
         return (data, None) if isinstance(data, dict) else (None, ValueError(repr(data)))
+
+
+def _positive(value: Any) -> int | None:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
 
 
 def _worker_urls(data: Any) -> list[str]:

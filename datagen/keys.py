@@ -57,6 +57,10 @@ def dataset_key(dataset: str, part: str) -> str:
 # Per-dataset parts, used as dataset_key(name, PART):
 # HASH sample id -> "rid tokens" of the committed record (the first commit wins).
 DONE = "done"
+# HASH sample id -> "rid tokens": the done map a rebuild from the records writes batch by
+# batch, renamed to DONE in the transaction that ends the rebuild (a leftover of a rebuild
+# cut short is deleted by the next one).
+DONE_REBUILD = "done_rebuild"
 # HASH counters: tokens (budget measure), prompt_tokens, completion_tokens,
 #   samples, truncated, dead, duplicates, discarded_tokens, revoked, refused.
 STATS = "stats"
@@ -113,10 +117,13 @@ EXTRACT_DEAD_SAMPLES = EXTRACT_PREFIX + "dead_samples"
 EXTRACT_PROGRESS = EXTRACT_PREFIX + "progress"
 # STRING worker id with a TTL (settings.lease_s), refreshed while the worker runs the shard.
 EXTRACT_LEASE = EXTRACT_PREFIX + "lease:"
-# HASH shard path -> JSON {tries, owner, since, not_before, requeued_at}: shards taken, not yet
-#   done or dead. An entry with an owner but no lease is a run that died (worker or rank
-#   killed): the reaper re-enqueues it ahead of fresh shards, or dead-letters it after
-#   extract_max_retries such runs. Deleted by done/dead.
+# HASH shard path -> JSON {tries, owner, since, not_before, sent, sent_at, requeued_at,
+#   requeued_by}: shards sent or taken, not yet done or dead. Written before each message is
+#   sent (``sent`` until a run takes it: the gpu queue has no acks, so this is the only trace
+#   of a message a worker took). An entry with an owner but no lease is a run that died
+#   (worker or rank killed); one ``sent`` over a lease ago, neither queued nor leased, lost its
+#   message with the worker that took it: the reaper re-enqueues both ahead of fresh shards,
+#   and dead-letters a shard after extract_max_retries dead runs. Deleted by done/dead.
 EXTRACT_RUNNING = EXTRACT_PREFIX + "running"
 # STRING owner id with a TTL of one second: the one gpu worker reaping stale shards now.
 EXTRACT_REAPER_LOCK = EXTRACT_PREFIX + "reaper_lock"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from celery import Celery
 
-from config.settings import Settings, masked_url
+from config.settings import Settings, SettingsError, masked_url
 from datagen import keys
-from datagen.client import SGLangClient
+from datagen.client import INPUT_RESERVE, Limits, SGLangClient
 from datagen.errors import ServerUnavailable
 from datagen.generation.guard import close, enqueue
 from datagen.generation.job import Job, PromptStore
@@ -66,40 +66,53 @@ class Plan:
     max_new_tokens: int
 
 
-def classify(settings: Settings, prompt_tokens: int, context_length: int | None) -> Plan | str:
-    """The queue and max_new_tokens for a prompt, or the reason it cannot run.
+def classify(settings: Settings, prompt_tokens: int, limits: Limits | None) -> Plan | str:
+    """The queue and max_new_tokens for a prompt, or the reason the server would refuse it.
 
-    SGLang refuses a request when prompt + max_new_tokens >= its context length, so the
-    largest it accepts is context - prompt - 1.
+    SGLang 0.5.23 refuses an input of max_req_input_len tokens or more, and a request whose
+    prompt + max_new_tokens exceeds its context length; max_new_tokens is clamped to one
+    less than that (``Limits.room``).
     """
     queue = "short" if prompt_tokens <= settings.long_threshold_tokens else "long"
     _, max_new = settings.queue_limits(queue)
-    if context_length is not None:
-        room = context_length - prompt_tokens - 1
-        if room < 1:
-            return (f"prompt has {prompt_tokens} tokens; the context length {context_length} "
-                    "leaves no room for a response")
-        max_new = min(max_new, room)
+    if limits is not None:
+        refusal = limits.refusal(prompt_tokens)
+        if refusal:
+            return refusal
+        max_new = min(max_new, limits.room(prompt_tokens))
     return Plan(queue, max_new)
 
 
-def context_length(settings: Settings) -> int:
-    """The server's context length (or the setting's): without it, clamped prompts are
-    refused by the server, so nothing is enqueued."""
-    if settings.context_length:
-        return settings.context_length
+def server_limits(settings: Settings) -> Limits:
+    """The context length and longest input in force: the server's own (``SGLangClient.
+    limits``), or the ``context_length`` setting, which may lower the server's but never
+    raise it. Without either, clamped prompts would be refused, so nothing is enqueued."""
     client = SGLangClient(settings.server_url, settings.api_key, 5.0, 30.0)
+    where = masked_url(settings.server_url)
     try:
-        value = client.server_info().get("context_length")
+        found = client.limits()
     except ServerUnavailable as exc:
+        if settings.context_length:
+            log.warning("context_length %d is not checked against the server (%s)",
+                        settings.context_length, exc)
+            return Limits(settings.context_length,
+                          settings.context_length - INPUT_RESERVE, "the context_length setting")
         raise ServerUnavailable(
             f"context length unknown ({exc}): start the server at server_url or set "
             "context_length, so max_new_tokens fits every prompt; nothing enqueued") from exc
-    if not value:
-        raise ServerUnavailable(
-            f"context length unknown: {masked_url(settings.server_url)}/server_info has no "
-            "context_length; set context_length; nothing enqueued")
-    return int(value)
+    if settings.context_length is None:
+        log.info("context length %d, inputs under %d tokens (%s)", found.context_length,
+                 found.max_input_tokens, found.source)
+        return found
+    if settings.context_length > found.context_length:
+        raise SettingsError(
+            f"context_length: the setting {settings.context_length} is larger than the "
+            f"server's context length {found.context_length} ({found.source} at {where}): "
+            "the server would refuse the requests sized to it; lower or unset it; "
+            "nothing enqueued")
+    return Limits(settings.context_length,
+                  min(found.max_input_tokens, settings.context_length - INPUT_RESERVE),
+                  "the context_length setting")
 
 
 class Producer:
@@ -109,7 +122,7 @@ class Producer:
         self.ledger = ledger
         self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs,
                                    settings.trust_remote_code)
-        self.context_length = context_length(settings)
+        self.limits = server_limits(settings)
 
     def run(self) -> list[DatasetReport]:
         datasets = discover_datasets(Path(self.settings.data_dir), self.settings.partition)
@@ -241,7 +254,7 @@ class Producer:
             if encoded is None:
                 continue
             ids, turn_ids = encoded
-            plan = classify(self.settings, len(ids), self.context_length)
+            plan = classify(self.settings, len(ids), self.limits)
             if isinstance(plan, str):
                 report.bad.append(f"{prompt.source}: {plan}")
                 continue
@@ -252,7 +265,9 @@ class Producer:
                                turn_ids)
             jobs.append(Job(prompt.dataset, prompt.sample_id, plan.queue, store.relative,
                             offset, len(ids), plan.max_new_tokens, epoch,
-                            turns=1 + len(turn_ids), context_length=self.context_length))
+                            turns=1 + len(turn_ids),
+                            context_length=self.limits.context_length,
+                            max_input_tokens=self.limits.max_input_tokens))
         return jobs
 
     def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[Encoded | None]:

@@ -33,10 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _arg_type(name: str, default: object) -> type:
     # Optional fields default to None; their type comes from what they hold when set.
-    optional = {"max_queued_requests": int, "api_key": str, "request_log": str}
+    optional = {"max_queued_requests": int, "api_key": str, "request_log": str,
+                "context_length": int}
     if name in optional:
         return optional[name]
+    if isinstance(default, bool):
+        return _flag
     return type(default)
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:

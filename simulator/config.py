@@ -12,7 +12,10 @@ class SimulatorConfig:
     # The capacity model: a GPU server runs at most this many requests in one batch.
     max_running_requests: int = 64
     max_queued_requests: int | None = None
-    context_length: int = 32768
+    # SGLang's --context-length: None (the default launch) leaves the model's own
+    # max_position_embeddings in force, and /server_info then shows context_length null.
+    context_length: int | None = None
+    max_position_embeddings: int = 32768
     prefill_tokens_per_s: float = 20000.0
     decode_step_s: float = 0.02
     # A step with a full batch takes (1 + batch_slowdown) times a step with one request,
@@ -37,6 +40,10 @@ class SimulatorConfig:
     request_log: str | None = None
     model_path: str = "sim-model"
     log_level: str = "INFO"
+    # SGLang with --tokenizer-worker-num 2 passes an unknown /abort_request rid on to the
+    # scheduler, which aborts every request whose rid starts with it; with the default (1)
+    # the tokenizer manager looks the rid up exactly and drops one it does not run.
+    abort_by_prefix: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests)
@@ -45,7 +52,10 @@ class SimulatorConfig:
             "max_queued_requests",
             self.max_queued_requests,
         )
-        _check(self.context_length >= 2, "context_length", self.context_length)
+        _check(self.context_length is None or self.context_length >= 2, "context_length",
+               self.context_length)
+        _check(self.max_position_embeddings >= 2, "max_position_embeddings",
+               self.max_position_embeddings)
         _check(self.prefill_tokens_per_s > 0, "prefill_tokens_per_s", self.prefill_tokens_per_s)
         _check(self.decode_step_s > 0, "decode_step_s", self.decode_step_s)
         _check(self.batch_slowdown >= 0, "batch_slowdown", self.batch_slowdown)
@@ -60,14 +70,19 @@ class SimulatorConfig:
         parse_lengths(self.lengths)
 
     @property
+    def context_len(self) -> int:
+        """The context length in force: --context-length, else the model's own."""
+        return self.context_length or self.max_position_embeddings
+
+    @property
     def max_total_num_tokens(self) -> int:
         # No KV-cache pressure is modelled: the pool always fits a full batch of full contexts.
-        return self.max_running_requests * self.context_length
+        return self.max_running_requests * self.context_len
 
     @property
     def max_req_input_len(self) -> int:
         # SGLang: max_req_len = min(context_len - 1, max_total_num_tokens - 1); input is 5 less.
-        return min(self.context_length - 1, self.max_total_num_tokens - 1) - 5
+        return min(self.context_len - 1, self.max_total_num_tokens - 1) - 5
 
 
 def parse_lengths(spec: str) -> tuple[str, int, int]:

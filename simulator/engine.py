@@ -132,11 +132,13 @@ class Engine:
             self._admit(time.monotonic())
             self._cond.notify_all()
 
-    def abort(self, rid: str | None = None, abort_all: bool = False, exact: bool = False) -> int:
-        """Abort every in-flight request whose rid starts with `rid` (SGLang's prefix match).
+    def abort(self, rid: str | None = None, abort_all: bool = False, exact: bool = True) -> int:
+        """Abort the in-flight request whose rid is `rid`, as SGLang 0.5.23 does by default.
 
-        An empty rid aborts nothing, as in SGLang. `exact` is for the simulator's own use (a
-        stream whose client went away) where a prefix match could hit other requests.
+        Its tokenizer manager looks the rid up exactly and drops one it does not run
+        (answering 200 all the same); only with --tokenizer-worker-num 2 does an unknown rid
+        reach the scheduler, which aborts every request whose rid starts with it: that is
+        `exact=False` (``--abort-by-prefix``). An empty rid aborts nothing, as in SGLang.
         """
         with self._cond:
             victims = [

@@ -191,7 +191,8 @@ def _abort_request(h: SimHandler, raw: bytes) -> None:
     body = _json_body(raw)
     rid = body.get("rid")
     count = h.app.engine.abort(rid if isinstance(rid, str) else None,
-                               abort_all=bool(body.get("abort_all")))
+                               abort_all=bool(body.get("abort_all")),
+                               exact=not h.app.config.abort_by_prefix)
     logger.info("abort_request rid=%r abort_all=%s: %d aborted", rid, body.get("abort_all"), count)
     h.send_empty(HTTPStatus.OK)
 

@@ -24,6 +24,8 @@ def model_info(config: SimulatorConfig) -> dict:
 
 
 def server_info(config: SimulatorConfig, running: int, waiting: int) -> dict:
+    # The launch arguments as given: context_length is null unless --context-length was,
+    # as on SGLang; the limits in force follow.
     args = {k: v for k, v in dataclasses.asdict(config).items() if k not in _SECRET_FIELDS}
     limits = {
         "max_total_num_tokens": config.max_total_num_tokens,
@@ -49,6 +51,6 @@ def models_list(config: SimulatorConfig, created: float) -> dict:
             "created": int(created),
             "owned_by": "sglang",
             "root": config.model_path,
-            "max_model_len": config.context_length,
+            "max_model_len": config.context_len,
         }],
     }

@@ -179,7 +179,7 @@ def _item(rid: str, ids: list[int], params: dict, config: SimulatorConfig) -> Ge
     _check_context(len(ids), max_new, config)
     if max_new is None:
         # SGLang lets an unset limit run to the end of the context.
-        max_new = config.context_length - len(ids) - 1
+        max_new = config.context_len - len(ids) - 1
     return GenerateItem(
         rid=rid,
         input_ids=ids,
@@ -213,12 +213,14 @@ def _check_values(params: dict, max_new: object, min_new: object) -> None:
 
 
 def _check_context(prompt_len: int, max_new: int | None, config: SimulatorConfig) -> None:
-    # SGLang's TokenizerManager._validate_one_request uses >= for both checks.
-    context = config.context_length
+    # SGLang 0.5.23, in this order: TokenizerManager._validate_one_request (input >= the
+    # context; input + max_new_tokens > the context), then the scheduler's
+    # validate_input_length (input >= max_req_input_len, which is context - 6 or less).
+    context = config.context_len
     if prompt_len >= context:
         raise _bad(f"The input ({prompt_len} tokens) is longer than the model's context "
                    f"length ({context} tokens).")
-    if max_new is not None and prompt_len + max_new >= context:
+    if max_new is not None and prompt_len + max_new > context:
         raise _bad(
             f"Requested token count exceeds the model's maximum context length of {context} "
             f"tokens. You requested a total of {prompt_len + max_new} tokens: {prompt_len} "
@@ -226,6 +228,10 @@ def _check_context(prompt_len: int, max_new: int | None, config: SimulatorConfig
             "reduce the number of tokens in the input messages or the completion to fit "
             "within the limit."
         )
+    limit = config.max_req_input_len
+    if prompt_len >= limit:
+        raise _bad(f"Input length ({prompt_len} tokens) exceeds the maximum allowed length "
+                   f"({limit} tokens). Use a shorter input or enable --allow-auto-truncate.")
 
 
 def _is_int(value: object) -> bool:

@@ -171,7 +171,8 @@ def healthy(name: str, context_length: int | None = None) -> RealServer:
 
 def stop_all(where: Path) -> None:
     """Stop every server of the run by its PID (its whole process group), SIGKILL after 30 s."""
-    pids = [json.loads(p.read_text())["pid"] for p in where.glob("sglang-*.json")]
+    pids = [json.loads(p.read_text())["pid"] for p in where.glob("sglang-*.json")
+            if not p.name.endswith(".health.json")]
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + 30

@@ -247,12 +247,14 @@ def test_server_errors_are_retried_and_bad_requests_dead_lettered(stack: Stack) 
     part = partition(stack.tmp, 10)
     with open(part / "B1.jsonl", "a") as fh:
         fh.write(json.dumps({"id": "B1-huge", "prompt": " ".join(["word"] * 500)}) + "\n")
+    # (the producer reads the limits of a larger server: the workers' was launched smaller)
+    sized_for = stack.start_simulator(name="sim-producer")
     settings = stack.configure(data_dir=str(part), short_concurrency=2, max_retries=3,
-                               context_length=100_000, long_threshold_tokens=100_000,
+                               server_url=sized_for, long_threshold_tokens=100_000,
                                short_max_tokens=50)
     # ... and that fails the next requests with 500s and connection resets
     set_fault(url, mode="error500", count=3)
-    stack.worker("short")
+    stack.worker("short", server_url=url)
     stack.wait_workers(1)
     ledger = start(stack, settings)
     wait_until(lambda: requests.get(f"{url}/_sim/fault", timeout=5).json()["mode"] == "none",

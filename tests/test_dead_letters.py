@@ -55,10 +55,12 @@ def test_datagen_dead_lists_the_dead_samples_by_reason_and_the_run_sums_them_up(
     # Given: a server whose context is smaller than the producer believes, and one worker
     stack.start_simulator("--lengths", "fixed:30", "--decode-step-s", "0.002",
                           "--context-length", str(SIM_CONTEXT))
+    served_by = stack.sim_url
+    sized_for = stack.start_simulator(name="sim-producer")  # a larger one, read by the producer
     stack.configure(data_dir=str(partition_with_oversized_prompts(stack)),
-                    short_concurrency=2, context_length=100_000,
+                    short_concurrency=2, server_url=sized_for,
                     long_threshold_tokens=100_000, short_max_tokens=MAX_NEW)
-    stack.worker("short")
+    stack.worker("short", server_url=served_by)
     stack.wait_workers(1)
 
     # When: `datagen run` produces and follows the run to its end

@@ -4,6 +4,7 @@ process -> SpecForge files. A tiny random Llama on the CPU stands in for the tar
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -195,6 +196,76 @@ def test_sigkilled_gpu_worker_leaves_no_half_file_and_a_rerun_completes_the_set(
     letters = [json.loads(x) for x in (folder / "dead_letters.jsonl").read_text().splitlines()]
     assert [(x["kind"], x["id"]) for x in letters] == [("sample", "s3")]
     assert xlm.ExtractionLedger(r).dead_samples() == 1
+
+
+def unacked(r: Any) -> tuple[int, int]:
+    """kombu's own copies of taken messages: its `unacked` hash and `unacked_index`."""
+    return int(r.hlen("unacked")), int(r.zcard("unacked_index"))
+
+
+@pytest.mark.chaos
+def test_a_shard_killed_with_its_worker_is_rerun_by_the_other_worker_with_no_extract_running(
+        stack: Stack, model_dir: Path, encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: 4 shards x 20 samples, one sample per batch, two gpu workers, and no `datagen
+    # extract` following the run: `--no-wait` enqueues the shards and returns
+    n = 80
+    settings = stack.configure(
+        server_url="http://127.0.0.1:9", model_path=str(model_dir), extract_dtype="float32",
+        extract_batch_tokens=200, extract_writer_threads=2, shard_samples=20)
+    out = Path(settings.output_dir)
+    synthetic_records(out, encoder.vocab_size, n)
+    assert datagen(monkeypatch, stack, "prepare") == 0
+    workers = [stack.worker("gpu"), stack.worker("gpu")]
+    stack.wait_workers(2)
+    assert datagen(monkeypatch, stack, "extract", "--no-wait") == 0
+    r = connect(stack.redis_url)
+
+    # When: the worker running a shard half done is SIGKILLed (parent and child)
+    def mid_shard() -> str | None:
+        for shard, raw in r.hgetall(xlm.PROGRESS).items():
+            p = json.loads(raw)
+            if 3 <= p["handled"] < p["total"]:
+                return shard
+        return None
+
+    wait_until(mid_shard, 120, 0.01, what="a shard half done")
+    killed = mid_shard()
+    assert killed is not None
+    [victim] = [w for w in workers if f"shard {killed} taken by" in w.log_text()]
+    [survivor] = [w for w in workers if w is not victim]
+    owner = json.loads(r.hget(xlm.PROGRESS, killed))["worker"]  # the victim's child
+    victim.kill()
+    # no copy of a taken message anywhere in kombu: the ledger alone brings it back
+    assert unacked(r) == (0, 0) and not r.hexists(xlm.DONE, killed)
+
+    # Then: the survivor's own reaper re-enqueues the killed shard, runs it before any fresh
+    # shard, and the set completes with nobody else reaping
+    wait_until(lambda: r.hlen(xlm.DONE) == 4, 180, 0.1, what="every shard done")
+    reaper = f"{os.uname().nodename}-{survivor.pid}"
+    lines = survivor.log_text().splitlines()
+    [back] = [i for i, x in enumerate(lines)
+              if f"shard {killed}: its run on {owner} died" in x and f"by {reaper} " in x]
+    taken = [x for x in lines[back:] if " taken by " in x]
+    assert taken and f"shard {killed} taken by" in taken[0], taken
+    assert unacked(r) == (0, 0) and not r.hlen(xlm.RUNNING)
+
+    # the killed shard's files complete: every sample once in the manifest and on disk, the
+    # ledger's counts equal to the files, and the samples written before the kill not redone
+    folder = extraction_dir(settings)
+    assert not [p for p in folder.rglob("*") if ".tmp-" in p.name]
+    samples = [s for s in shard_records(out) if s["id"] != "s3"]
+    idxs = manifest_idxs(folder)
+    files = sorted(int(p.stem.split("_")[1]) for p in folder.rglob("data_*.ckpt"))
+    assert len(idxs) == len(set(idxs)) and sorted(idxs) == files == sorted(
+        s["idx"] for s in samples)
+    in_killed = [json.loads(x)["idx"] for x in (out / killed).read_text().splitlines()]
+    for s in samples:
+        if s["idx"] in in_killed:
+            [path] = folder.rglob(f"data_{s['idx']}.ckpt")
+            check_specforge_file(path, s["prompt_ids"] + s["output_ids"], len(s["prompt_ids"]))
+    done = xlm.ExtractionLedger(r).done()
+    assert sum(e["samples"] for e in done.values()) == len(samples)
+    assert done[killed]["skipped_done"] > 0 and done[killed]["worker"] != owner
 
 
 def test_extract_refuses_without_disk_room_and_never_enqueues_a_queued_shard_twice(

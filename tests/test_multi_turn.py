@@ -13,7 +13,6 @@ from datagen.extraction.files import prepare as prepare_sample
 from datagen.extraction.files import sample_tensors
 from datagen.generation.follower import follow
 from datagen.generation.records import iter_records, records_dir
-from datagen.generation.turns import turn_rid
 from datagen.training.training_set import prepare
 from producers.producer import Producer
 from simulator.config import SimulatorConfig
@@ -68,7 +67,11 @@ def test_every_turn_is_generated_after_the_generated_ones_and_trained_on(stack: 
 
     # Then: each turn's prompt is the earlier prompt + its exact output + the template's ids
     # of the next user turn, and each turn's output is what the server generated for it
-    finished = {e["rid"]: e for e in stack.sim_log() if e["event"] == "finish"}
+    # Every turn of a sample runs under its lease's rid, one after another, in log order.
+    finished: dict[str, list[dict]] = {}
+    for e in stack.sim_log():
+        if e["event"] == "finish":
+            finished.setdefault(e["rid"], []).append(e)
     done = {r["id"]: r for r in records(settings, "M1")}
     assert sorted(done) == ["s0", "s1", "s2", "s3"]
     eos = stack.encoder.eos_token_id
@@ -83,7 +86,7 @@ def test_every_turn_is_generated_after_the_generated_ones_and_trained_on(stack: 
         for n, (start, end) in enumerate(spans):
             out = ids[start:end]
             assert out == planned(stack, ids[:start], MAX_NEW)
-            answer = finished[turn_rid(rec["rid"], n)]
+            answer = finished[rec["rid"]][n]
             assert answer["output_sha"] == output_sha(out) and answer["prompt_tokens"] == start
             if n + 1 < len(spans):
                 assert out[-1] == eos and between[n][0] == eos  # the close is written once
@@ -139,8 +142,10 @@ def slow_turns(stack: Stack, dataset: str, **settings: Any) -> Any:
                            short_concurrency=2, short_max_tokens=MAX_NEW, **settings)
 
 
-def started(stack: Stack, suffix: str) -> list[dict[str, Any]]:
-    return [e for e in stack.sim_log() if e["event"] == "start" and e["rid"].endswith(suffix)]
+def started(stack: Stack) -> list[str]:
+    """The rid of every request started, in order: each turn of a sample runs under its
+    lease's rid, so one sample's turns are consecutive repeats of one rid."""
+    return [e["rid"] for e in stack.sim_log() if e["event"] == "start"]
 
 
 def test_a_worker_killed_between_turns_has_its_sample_redone_and_counted_once(
@@ -153,7 +158,7 @@ def test_a_worker_killed_between_turns_has_its_sample_redone_and_counted_once(
     Producer(settings, stack.app(), ledger).run()
 
     # When: it is SIGKILLed once its first turn is done and the second has started
-    wait_until(lambda: started(stack, "-1"), 60, what="the second turn to start")
+    wait_until(lambda: len(started(stack)) >= 2, 60, what="the second turn to start")
     victim.kill()
     assert records(settings, "M2") == [] and ledger.snapshot("M2")["stats"].get("samples", 0) == 0
     stack.worker("short", name="rescuer")
@@ -161,9 +166,9 @@ def test_a_worker_killed_between_turns_has_its_sample_redone_and_counted_once(
 
     # Then: the sample was redone from its first turn, stored once and counted once
     (rec,) = records(settings, "M2")
-    first_turns = [e for e in stack.sim_log() if e["event"] == "start"
-                   and not e["rid"].endswith(("-1", "-2"))]
-    assert len(first_turns) == 2 and rec["rid"] == first_turns[1]["rid"]
+    rids = started(stack)
+    victims = rids[0]
+    assert rids[:2] == [victims, victims] and rids[2:] == [rec["rid"]] * 3
     snap = ledger.snapshot("M2")
     assert snap["stats"]["samples"] == 1 and snap["stats"].get("duplicates", 0) == 0
     assert snap["tokens"] == rec["completion_tokens"] == 60
@@ -178,14 +183,14 @@ def test_a_close_between_turns_starts_no_further_turn_and_commits_nothing(
     stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
-    wait_until(lambda: started(stack, "-1"), 60, what="the second turn to start")
+    wait_until(lambda: len(started(stack)) == 2, 60, what="the second turn to start")
 
     # When: the dataset closes while its second turn runs
     ledger.close("M3", "test")
 
     # Then: the second turn finishes, no third one starts, and nothing is stored or counted
     wait_until(lambda: ledger.snapshot("M3")["in_flight"] == 0, 60, what="the sample to end")
-    assert started(stack, "-2") == []
+    assert len(started(stack)) == 2  # no third turn
     assert records(settings, "M3") == []
     stats = ledger.snapshot("M3")["stats"]
     assert stats.get("samples", 0) == 0 and stats.get("tokens", 0) == 0

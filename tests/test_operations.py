@@ -52,11 +52,13 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
     part = partition(stack.tmp, {"B1": 40, "B2": 6})
     with open(part / "B2.jsonl", "a") as fh:
         fh.write(json.dumps({"id": "B2-huge", "prompt": "word " * 500}) + "\n")
-    settings = stack.configure(data_dir=str(part), context_length=100_000,
+    served_by = stack.sim_url
+    sized_for = stack.start_simulator(name="sim-producer")  # a larger one, read by the producer
+    settings = stack.configure(data_dir=str(part), server_url=sized_for,
                                short_concurrency=2, short_max_tokens=200,
                                long_threshold_tokens=100_000,
                                budgets={"B1": 300}, token_budget=10**6)
-    stack.worker("short", name="short-a@%h")
+    stack.worker("short", name="short-a@%h", server_url=served_by)
     stack.wait_workers(1)
     url = start_flower(stack, "ops:s3cret-pass")
     auth = ("ops", "s3cret-pass")

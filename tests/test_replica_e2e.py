@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Stack, wait_until
-from test_extraction_e2e import datagen, manifest_idxs, shard_records, synthetic_records
+from test_extraction_e2e import datagen, manifest_idxs, shard_records, synthetic_records, unacked
 
 from cli.stack import REPO, child_env
 from datagen.builders.tiny_deepseek import build_tiny_deepseek_v3
@@ -132,6 +132,7 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
     a, b = replica(stack), replica(stack)
     r = connect(stack.redis_url)
     owner_a = f"{os.uname().nodename}-{rank_pids(a)[0]}"
+    reaper_b = f"{os.uname().nodename}-{rank_pids(b)[0]}"
 
     # When: A's rank `victim` is SIGKILLed (or stopped: it hangs) while A's shard is partly
     # written
@@ -151,16 +152,23 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
     assert killed_shard is not None and not r.hexists(xlm.DONE, killed_shard)
 
     # Then: the shard is re-enqueued about one lease after the kill (not the visibility
-    # timeout), A exits non-zero, and B runs the killed shard before any fresh one
-    def requeued_at() -> float | None:
+    # timeout) by B's own reaper (nobody follows the run: `--no-wait`), A exits non-zero, and
+    # B runs the killed shard before any fresh one
+    def requeued() -> dict[str, Any] | None:
         raw = r.hget(xlm.RUNNING, killed_shard)
-        return json.loads(raw).get("requeued_at") if raw else None
+        entry = json.loads(raw) if raw else {}
+        return entry if entry.get("requeued_at") else None
 
-    wait_until(requeued_at, 60, 0.02, what="the killed shard re-enqueued")
+    wait_until(requeued, 60, 0.02, what="the killed shard re-enqueued")
     hang = settings.replica_timeout_s if sig == signal.SIGSTOP else 0.0
-    back = requeued_at()
+    entry = requeued()
+    assert entry is not None and entry["requeued_by"] == reaper_b
+    back = entry["requeued_at"]
     assert back - killed_at <= hang + settings.lease_s + 5
     wait_until(lambda: not a.alive(), 60, what="replica A down")
+    # and no copy of the killed shard's message waits in kombu's hashes, to come back after
+    # the visibility timeout (rank 0's solo pool ran the early ack only after the task)
+    assert unacked(r) == (0, 0)
     assert a.proc.returncode != 0
     assert (f"rank {victim} exited with -9" if sig == signal.SIGKILL else
             f"rank 0 exited with 75, rank {victim} killed by the launcher") in a.log_text()
@@ -182,7 +190,7 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
         data = load_one(folder, s["idx"])
         assert data["input_ids"].tolist() == s["prompt_ids"] + s["output_ids"]
     done = xlm.ExtractionLedger(r).done()
-    assert len(done) == 4 and not r.hlen(xlm.RUNNING)
+    assert len(done) == 4 and not r.hlen(xlm.RUNNING) and unacked(r) == (0, 0)
     assert sum(e["samples"] for e in done.values()) == len(samples)
     assert done[killed_shard]["skipped_done"] > 0  # the samples A finished were not redone
 

@@ -71,7 +71,10 @@ def start_routed(stack: Stack, *simulator_args: str) -> Routed:
     # disk instead of looking the model up on the Hugging Face hub.
     servers = [stack.start_simulator("--max-running-requests", str(SERVER_LIMIT),
                                      "--mean-output-tokens", "200", "--sigma", "0.8",
-                                     "--decode-step-s", "0.004", "--context-length", str(ctx),
+                                     "--decode-step-s", "0.004",
+                                     # the second as SGLang launched without --context-length
+                                     "--context-length" if i == 0 else
+                                     "--max-position-embeddings", str(ctx),
                                      "--model-path", str(stack.tokenizer_dir),
                                      *simulator_args, name=f"sim-{i}")
                for i, ctx in enumerate(CONTEXTS)]
@@ -167,11 +170,16 @@ def test_an_abort_sent_to_the_router_reaches_the_server_running_the_request(
     assert client.backends() == sorted(routed.servers)
 
 
-def test_the_context_length_behind_the_router_is_the_smallest_servers(
-        routed: Routed) -> None:
+def test_the_limits_behind_the_router_are_the_smallest_servers(routed: Routed) -> None:
+    # sim-0 was launched with --context-length, sim-1 as SGLang is by default (its
+    # /server_info context_length null, the model's own length in /v1/models)
     assert requests.get(f"{routed.url}/server_info", timeout=10).status_code == 404
-    info = SGLangClient(routed.url).server_info()
-    assert info["context_length"] == min(CONTEXTS)
+    assert requests.get(f"{routed.servers[1]}/server_info",
+                        timeout=10).json()["context_length"] is None
+    limits = SGLangClient(routed.url).limits()
+    assert limits.context_length == min(CONTEXTS)
+    assert limits.max_input_tokens == min(CONTEXTS) - 6  # each server's max_req_input_len
+    assert "/v1/models max_model_len" in limits.source
 
 
 def test_abort_on_close_through_the_router_stops_the_requests_on_every_server(

@@ -79,18 +79,24 @@ def _send(shard: str, retry: bool) -> None:
 
 
 def _reap_loop() -> None:
+    """In the process that consumes (a prefork worker's parent, a replica's rank 0), beside
+    the task: it reaps while a shard runs. Its own ledger client, not ``xledger()``: a
+    prefork child forked while this thread held ``_lock`` would find it held for ever."""
     settings = app.conf.datagen_settings
+    xl = ExtractionLedger(connect(settings.redis_url))
     period = min(1.0, settings.lease_s / 3)
+    log.info("extraction reaper of %s: every %.1fs", runner.worker_id(), period)
     while not _reaper_stop.wait(period):
         try:
-            runner.reap(settings, xledger(), _send)
+            runner.reap(settings, xl, _send)
         except Exception as exc:  # noqa: BLE001 - Redis away: try again next tick
             log.warning("extraction reaper: %s", exc)
 
 
 @signals.worker_ready.connect
 def _start_reaper(sender: Any = None, **_: object) -> None:
-    """Every gpu worker reaps: a shard whose run died is re-enqueued about one lease after."""
+    """Every gpu worker reaps: a shard whose run died is re-enqueued about one lease after,
+    with or without `datagen extract` following the run."""
     queues = getattr(getattr(app.amqp, "queues", None), "consume_from", None) or {}
     if GPU_QUEUE in queues:
         threading.Thread(target=_reap_loop, name="extract-reaper", daemon=True).start()

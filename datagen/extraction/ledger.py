@@ -4,14 +4,20 @@ Shared by the `gpu` task (datagen/extraction/runner.py) and ``datagen extract``;
 neither torch nor worker code. A shard is done *for one content*: its entry carries the sha256
 of the shard file, so a shard rewritten by a later ``datagen prepare`` is not taken as done.
 
+Every shard sent to the `gpu` queue has a ``running`` entry from the moment it is sent
+(``sent``: a message names it and no run has taken it since), so the ledger, not kombu, knows
+about a message once it leaves Redis: the gpu queue is consumed without acks (datagen/broker.py),
+and a worker that dies between taking a message and starting its shard leaves an entry that is
+``sent`` but neither queued nor leased; the reaper sends it again once that has lasted a lease.
+
 A gpu task holds a lease on its shard while it runs (SET NX with a TTL, refreshed by a thread),
 so a duplicate message of a running shard is dropped instead of writing the same files twice,
-and a ``running`` entry that outlives the run until the shard is done or dead. A worker (or a
-rank of a replica) killed mid-shard leaves the entry with its owner and a lease that expires:
-the reaper of any live gpu worker then re-enqueues the shard at the retry priority, ahead of
-fresh shards, within a second of the expiry (no Celery countdown, no visibility timeout is
-involved). A failed run parks its entry with a ``not_before`` time instead of an ETA message.
-The samples a dead run finished stay done on disk (the manifest) and are not redone.
+and the entry records its owner until the shard is done or dead. A worker (or a rank of a
+replica) killed mid-shard leaves the entry with its owner and a lease that expires: the reaper
+of any live gpu worker then re-enqueues the shard at the retry priority, ahead of fresh shards,
+within a second of the expiry (no Celery countdown, no visibility timeout is involved). A
+failed run parks its entry with a ``not_before`` time instead of an ETA message. The samples a
+dead run finished stay done on disk (the manifest) and are not redone.
 """
 
 from __future__ import annotations
@@ -46,6 +52,17 @@ GPU_QUEUE = "gpu"
 
 def lease_key(shard: str) -> str:
     return LEASE + shard
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """A taken shard to send again: ``tries`` counts the dead run; ``dead_owner`` is the run
+    that died holding it, None when its message was lost before any run or its retry is due."""
+
+    shard: str
+    tries: int
+    dead_owner: str | None
+    lost: bool  # sent, then neither queued nor leased for a lease: a taker died before its run
 
 
 @dataclass(frozen=True)
@@ -121,7 +138,7 @@ class ExtractionLedger:
         if not self.r.set(lease_key(shard), owner, nx=True, px=ttl_ms):
             yield False
             return
-        self._set_entry(shard, owner=owner, since=time.time(), not_before=0.0)
+        self._set_entry(shard, owner=owner, since=time.time(), not_before=0.0, sent=False)
         stop = threading.Event()
         keeper = threading.Thread(target=self._keep, args=(shard, owner, ttl_ms, stop),
                                   name="extract-lease", daemon=True)
@@ -158,28 +175,60 @@ class ExtractionLedger:
 
     def retry_later(self, shard: str, delay_s: float) -> int:
         """A failed run: one more try, re-enqueued by the reaper after ``delay_s``; returns
-        the tries so far."""
+        the tries so far. The run consumed its message: the entry is not ``sent`` any more."""
         entry = self.entry(shard)
         tries = int(entry.get("tries", 0)) + 1
-        self._set_entry(shard, tries=tries, owner=None, not_before=time.time() + delay_s)
+        self._set_entry(shard, tries=tries, owner=None, not_before=time.time() + delay_s,
+                        sent=False)
         return tries
 
-    def requeued(self, shard: str, tries: int) -> None:
-        self._set_entry(shard, tries=tries, owner=None, not_before=0.0, requeued_at=time.time())
+    def sent(self, shards: Iterable[str]) -> None:
+        """Shards about to be sent to the queue (before the message, so a message is never
+        without its entry); entries of earlier runs keep their tries."""
+        names = list(shards)
+        if not names:
+            return
+        now = time.time()
+        olds = self.r.hmget(RUNNING, names)
+        entries = {s: json.dumps({**(json.loads(o) if o else {"tries": 0}), "owner": None,
+                                  "not_before": 0.0, "sent": True, "sent_at": now})
+                   for s, o in zip(names, olds, strict=True)}
+        self.r.hset(RUNNING, mapping=entries)
 
-    def reclaimable(self, task_name: str) -> list[tuple[str, int, str | None]]:
-        """(shard, tries, owner that died or None) for taken shards that nobody runs and no
-        message names: their run died (lease expired) or waits out its retry delay."""
+    def requeued(self, shard: str, tries: int, by: str) -> None:
+        now = time.time()
+        self._set_entry(shard, tries=tries, owner=None, not_before=0.0, sent=True, sent_at=now,
+                        requeued_at=now, requeued_by=by)
+
+    def settle(self, shard: str) -> None:
+        """A message for a shard already done: nothing is left to run."""
+        self.r.hdel(RUNNING, shard)
+
+    def reclaimable(self, task_name: str, grace_s: float) -> list[Reclaim]:
+        """Taken shards that nobody runs and no message in the queue names: their run died
+        (owner, lease expired), their retry delay is over, or they were sent more than
+        ``grace_s`` ago and their message was taken by a worker that died before the run.
+
+        The queue is read before the leases: a worker takes the lease a few milliseconds
+        after it takes the message, so read the other way round a shard just taken could look
+        like neither."""
         entries = {k: json.loads(v) for k, v in self.r.hgetall(RUNNING).items()}
-        if not entries:
-            return []
-        leased, queued, now = self.leased(entries), self.queued(task_name), time.time()
+        now = time.time()
+        due = {shard: e for shard, e in entries.items()
+               if float(e.get("not_before", 0)) <= now
+               and (e.get("owner") or not e.get("sent")
+                    or now - float(e.get("sent_at", 0)) > grace_s)}
+        if due:
+            queued = self.queued(task_name)
+            due = {s: e for s, e in due.items() if s not in queued}
+        if due:
+            leased = self.leased(due)
+            due = {s: e for s, e in due.items() if s not in leased}
         out = []
-        for shard, e in entries.items():
-            if shard in leased or shard in queued or float(e.get("not_before", 0)) > now:
-                continue
-            dead_owner = e.get("owner")
-            out.append((shard, int(e.get("tries", 0)) + (1 if dead_owner else 0), dead_owner))
+        for shard, e in due.items():
+            owner = e.get("owner")
+            out.append(Reclaim(shard, int(e.get("tries", 0)) + (1 if owner else 0), owner,
+                               lost=bool(e.get("sent")) and not owner))
         return out
 
     # -- queue -----------------------------------------------------------------------------
@@ -189,9 +238,8 @@ class ExtractionLedger:
         return sum(int(self.r.llen(name)) for name in keys.queue_lists(GPU_QUEUE))
 
     def queued(self, task_name: str) -> set[str]:
-        """Shards named by messages waiting in the gpu queue, at any priority. Unacked
-        messages are not counted: with early acks only a dead worker's message stays
-        there, and it must not hold the shard back for the visibility timeout."""
+        """Shards named by messages waiting in the gpu queue, at any priority. A message a
+        worker took is gone from Redis (no acks on the gpu queue, no `unacked` copy)."""
         raws: list[Any] = []
         for name in keys.queue_lists(GPU_QUEUE):
             raws += self.r.lrange(name, 0, -1)
@@ -239,8 +287,8 @@ def split_shards(shards: list[ShardState], xl: ExtractionLedger
 
 
 def nowhere(todo: list[ShardState], xl: ExtractionLedger, task_name: str) -> list[ShardState]:
-    """Shards to do that are neither running nor waiting in the queue, nor taken before
-    (those are the reaper's: runner.reap)."""
+    """Shards to do that are neither running nor waiting in the queue, nor sent or taken
+    before (those have an entry, and are the reaper's: runner.reap)."""
     leased = xl.leased(s.path for s in todo)
     queued = xl.queued(task_name)
     taken = set(xl.r.hkeys(RUNNING))

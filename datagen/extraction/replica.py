@@ -7,8 +7,9 @@
 Before each row rank 0 broadcasts the row's token ids to the other ranks (gloo, a command
 group of its own); then every rank runs the forward pass of its part of the model (the
 backend's own group: gloo on CPU, nccl on CUDA), and rank 0 alone stages, writes the files,
-the manifest and the ledger entries, then acks. Per row rather than per shard: rank 0 keeps
-all the reading, batching and writing, the other ranks stay a loop of five lines.
+the manifest and the ledger entries (it takes messages without acks: datagen/broker.py).
+Per row rather than per shard: rank 0 keeps all the reading, batching and writing, the other
+ranks stay a loop of five lines.
 
 Faults: the launcher watches its ranks; the first one to exit (SIGKILL, OOM, a failed load)
 makes it SIGKILL the others and exit non-zero, for a supervisor to restart the replica. A

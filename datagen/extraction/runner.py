@@ -36,9 +36,18 @@ Send = Callable[[str, bool], None]  # (shard, retry?) -> one message on the gpu 
 
 
 def send_shard(app: Any, shard: str, retry: bool = False) -> None:
-    """One message for a shard; a shard that comes back goes ahead of fresh ones."""
+    """One message for a shard; a shard that comes back goes ahead of fresh ones. Its ledger
+    entry is written first (``enqueue``, or the reaper's ``requeued``)."""
     app.send_task(EXTRACT_TASK, kwargs={"shard": shard}, queue=GPU_QUEUE,
                   priority=keys.RETRY_PRIORITY if retry else keys.FRESH_PRIORITY)
+
+
+def enqueue(app: Any, xl: ExtractionLedger, shards: list[str], retry: bool = False) -> None:
+    """Send shards that have no entry yet: entries first, so the ledger knows each message
+    even once a worker has taken it from Redis (the gpu queue has no acks)."""
+    xl.sent(shards)
+    for shard in shards:
+        send_shard(app, shard, retry)
 
 
 def worker_id() -> str:
@@ -110,6 +119,7 @@ def run(settings: Settings, xl: ExtractionLedger, extractor: Callable[[], Any],
     path = Path(settings.output_dir) / shard
     sha = file_sha256(path)
     if xl.is_done(shard, sha):
+        xl.settle(shard)  # a late copy of its message: its entry must not send it again
         return {"status": "done before"}
     with xl.lease(shard, me, settings.lease_s) as held:
         if not held:
@@ -154,20 +164,26 @@ def fail(settings: Settings, xl: ExtractionLedger, shard: str,
 
 
 def reap(settings: Settings, xl: ExtractionLedger, send: Send) -> int:
-    """Re-enqueue taken shards whose run died or whose retry delay is over; dead-letter those
-    that died more often than extract_max_retries. One reaper at a time over all workers."""
-    if not xl.r.set(keys.EXTRACT_REAPER_LOCK, worker_id(), nx=True, px=1000):
+    """Re-enqueue taken shards whose run died, whose retry delay is over, or whose message
+    was taken by a worker that died before the run; dead-letter those that died more often
+    than extract_max_retries. One reaper at a time over all workers."""
+    me = worker_id()
+    if not xl.r.set(keys.EXTRACT_REAPER_LOCK, me, nx=True, px=1000):
         return 0
     count = 0
-    for shard, tries, dead_owner in xl.reclaimable(EXTRACT_TASK):
-        if tries > settings.extract_max_retries:
-            give_up(settings, xl, shard, RuntimeError(
-                f"{tries} runs ended without a result, the last on {dead_owner or '?'}"))
+    for c in xl.reclaimable(EXTRACT_TASK, settings.lease_s):
+        if c.tries > settings.extract_max_retries:
+            give_up(settings, xl, c.shard, RuntimeError(
+                f"{c.tries} runs ended without a result, the last on {c.dead_owner or '?'}"))
             continue
-        if dead_owner:
-            log.warning("shard %s: its run on %s died (lease expired); re-enqueued ahead of "
-                        "fresh shards (try %d)", shard, dead_owner, tries + 1)
-        xl.requeued(shard, tries)
-        send(shard, True)
+        if c.dead_owner:
+            log.warning("shard %s: its run on %s died (lease expired); re-enqueued by %s "
+                        "ahead of fresh shards (try %d)", c.shard, c.dead_owner, me, c.tries + 1)
+        elif c.lost:
+            log.warning("shard %s: sent over %.0fs ago, neither queued nor running (its "
+                        "message was taken by a worker that died before the run); "
+                        "re-enqueued by %s", c.shard, settings.lease_s, me)
+        xl.requeued(c.shard, c.tries, me)
+        send(c.shard, True)
         count += 1
     return count

@@ -6,21 +6,29 @@ Whoever sees a dataset close (the commit that reached the budget, an admission t
 found it over, ``datagen budget``) runs ``on_closed``: the close event, one stamped
 revoke so workers drop its queued tasks without even reading the flag (revokes are
 not persisted and miss workers that join later: the flag still holds), its pending
-payloads dropped, and with ``abort_on_close`` one ``/abort_request`` per server with
-the dataset's rid prefix, which aborts all of its requests there at once.
+payloads dropped, and with ``abort_on_close`` one ``/abort_request`` per request in
+flight, with its exact rid, to the server its ledger entry names. SGLang 0.5.23 (default
+``--tokenizer-worker-num 1``) looks an abort's rid up exactly and drops one it does not
+run, so a rid prefix aborts nothing; the aborts go out side by side, from a thread pool.
+A request admitted just before the close may reach its server only after its abort
+(dropped as unknown then): a second pass ABORT_REPEAT_S later aborts the entries still
+in flight.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from celery import Celery
 
-from config.settings import masked_url
+from config.settings import Settings, masked_url
 from datagen import keys
 from datagen.celery_app import GENERATE_TASK
-from datagen.client import SGLangClient, rid_prefix
+from datagen.client import SGLangClient
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 
@@ -64,15 +72,57 @@ def close(app: Celery, ledger: Ledger, dataset: str, reason: str,
     return True
 
 
-def abort_in_flight_requests(ledger: Ledger, dataset: str) -> int:
-    """One ``/abort_request`` with the dataset's rid prefix to each server running its
-    requests; their workers then discard the partial outputs. Returns the servers asked."""
-    servers = {entry.get("server") or ledger.settings.server_url
-               for entry in ledger.in_flight(dataset).values()}
-    for server in servers:
-        client = SGLangClient(_unmasked(server, ledger), ledger.settings.api_key, 5.0, 30.0)
-        client.abort(rid_prefix(dataset))
-    return len(servers)
+# Aborts sent at once: each is one short HTTP call (two behind a router); a close with
+# hundreds in flight should not abort them one after another.
+ABORT_THREADS = 32
+# When the close's second pass aborts the requests still in flight (see the docstring).
+ABORT_REPEAT_S = 1.0
+
+
+def abort_in_flight_requests(ledger: Ledger, dataset: str, repeat: bool = True) -> int:
+    """``/abort_request`` with its exact rid for each of the dataset's requests in flight,
+    at the server its entry names; their workers then discard the partial outputs.
+    Returns the requests aborted (a second pass follows in a thread unless ``repeat``)."""
+    entries = ledger.in_flight(dataset)
+    count = abort_entries(ledger, entries.values())
+    if count and repeat:
+        later = threading.Timer(ABORT_REPEAT_S, _abort_again,
+                                args=(ledger, dataset, {s: e.get("rid") for s, e in
+                                                        entries.items()}))
+        later.start()  # not a daemon: a CLI close waits for it before it exits
+    log.info("%s: aborted %d requests in flight", dataset, count)
+    return count
+
+
+def _abort_again(ledger: Ledger, dataset: str, first: dict[str, Any]) -> None:
+    try:
+        entries = ledger.in_flight(dataset)
+    except Exception as exc:  # Redis away: the first pass stands
+        log.warning("second abort pass for %s: %s", dataset, exc)
+        return
+    abort_entries(ledger, [e for s, e in entries.items() if first.get(s) == e.get("rid")])
+
+
+def abort_entries(ledger: Ledger, entries: Iterable[Mapping[str, Any]]) -> int:
+    """Abort the requests of in-flight entries (``{"rid", "server", ...}``, as the ledger
+    holds them) at the servers they name; returns how many."""
+    return abort_requests(ledger.settings, [
+        (_unmasked(e.get("server") or ledger.settings.server_url, ledger), str(e["rid"]))
+        for e in entries if e.get("rid")])
+
+
+def abort_requests(settings: Settings, targets: Iterable[tuple[str, str]]) -> int:
+    """Abort each (server URL, rid) by its exact rid, concurrently; one client per server
+    (behind a router it sends each abort to every server the router lists)."""
+    targets = list(targets)
+    if not targets:
+        return 0
+    clients = {server: SGLangClient(server, settings.api_key, 5.0, 30.0)
+               for server in {server for server, _ in targets}}
+    with ThreadPoolExecutor(min(ABORT_THREADS, len(targets)),
+                            thread_name_prefix="abort") as pool:
+        list(pool.map(lambda t: clients[t[0]].abort(t[1]), targets))
+    return len(targets)
 
 
 def _unmasked(server: str, ledger: Ledger) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from datagen.client import INPUT_RESERVE, Limits
 from datagen.errors import BadInput
 
 PROMPTS_DIR = "prompts"
@@ -31,16 +32,20 @@ class Job:
     max_new_tokens: int
     epoch: int = 0  # bumped when a closed dataset is reopened (stamped revokes are per epoch)
     # regenerate = "all": the assistant turns generated in order (max_new_tokens each), each
-    # clamped by the worker to what context_length leaves after the turns before it.
+    # clamped by the worker to what context_length leaves after the turns before it; a turn
+    # whose prompt reaches max_input_tokens (the server's max_req_input_len; 0: context - 6)
+    # is not sent, the server would refuse it.
     turns: int = 1
     context_length: int = 0
+    max_input_tokens: int = 0
 
     def payload(self) -> dict[str, Any]:
         # Spelled out: dataclasses.asdict deep-copies and costs ~10x more per message.
         return {"dataset": self.dataset, "sample": self.sample, "queue": self.queue,
                 "prompt_file": self.prompt_file, "offset": self.offset,
                 "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
-                "epoch": self.epoch, "turns": self.turns, "context_length": self.context_length}
+                "epoch": self.epoch, "turns": self.turns, "context_length": self.context_length,
+                "max_input_tokens": self.max_input_tokens}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> Job:
@@ -49,6 +54,14 @@ class Job:
     @property
     def stamp(self) -> str:
         return f"{self.dataset}#{self.epoch}"
+
+    @property
+    def limits(self) -> Limits | None:
+        """What the server accepts, as the producer read it (None: unknown, not clamped)."""
+        if not self.context_length:
+            return None
+        return Limits(self.context_length,
+                      self.max_input_tokens or self.context_length - INPUT_RESERVE, "the task")
 
     @property
     def sample_cap(self) -> int:

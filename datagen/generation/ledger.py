@@ -17,13 +17,16 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from config.settings import Settings, masked_url
 from datagen import keys
 from datagen.errors import LedgerUnavailable
+
+if TYPE_CHECKING:
+    from datagen.generation.committed import Committed
 from datagen.generation.admission import PRIOR_MEAN_TOKENS, PRIOR_TOKENS_PER_S, length_model
 
 __all__ = ["Admission", "Commit", "Ledger", "Reclaimed", "connect", "length_model", "owner_id"]
@@ -59,6 +62,8 @@ class Reclaimed:
     sample: str
     payload: str  # "" when nothing is to be re-enqueued (closed dataset, no pending)
     worker: str
+    rid: str = ""
+    server: str = ""  # masked, as the entry holds it
 
 
 def _script(name: str) -> str:
@@ -211,7 +216,7 @@ class Ledger:
         ks = [self.k(dataset, p) for p in (keys.INFLIGHT, keys.BUCKETS, keys.LEASES,
                                             keys.PENDING, keys.STATS, keys.CLOSED)]
         flat = self._run("reap", ks, [REAP_BATCH])
-        return [Reclaimed(dataset, *flat[i:i + 3]) for i in range(0, len(flat), 3)]
+        return [Reclaimed(dataset, *flat[i:i + 5]) for i in range(0, len(flat), 5)]
 
     def unpark(self, dataset: str, count: int = 0) -> list[str]:
         """Wake ``count`` parked samples (0: all); returns their payloads to enqueue."""
@@ -273,6 +278,14 @@ class Ledger:
     def committed(self, dataset: str) -> dict[str, str]:
         """Sample id -> "rid tokens" of the record each sample was counted with."""
         return self.r.hgetall(self.k(dataset, keys.DONE))
+
+    def committed_index(self, dataset: str) -> Committed | None:
+        """``committed`` in 24 bytes a sample (``committed.Committed``), read with HSCAN in
+        replies of SCAN_COUNT fields; None when nothing is committed."""
+        from datagen.generation.committed import SCAN_COUNT, Committed  # noqa: PLC0415 (numpy)
+
+        found = Committed(self.r.hscan_iter(self.k(dataset, keys.DONE), count=SCAN_COUNT))
+        return found if len(found) else None
 
     def done_ids(self, dataset: str) -> set[str]:
         return set(self.r.hkeys(self.k(dataset, keys.DONE)))

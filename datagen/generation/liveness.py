@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from datagen import keys
+from datagen.generation.guard import abort_entries
 from datagen.generation.job import Job
 from datagen.generation.lease import LeaseBook
 from datagen.generation.ledger import Ledger
@@ -73,12 +74,16 @@ class Heartbeat:
 
 
 def reap(ledger: Ledger, requeue: Requeue) -> int:
-    """Re-enqueue the samples of in-flight entries whose lease is stale; returns how many."""
+    """Re-enqueue the samples of in-flight entries whose lease is stale; returns how many.
+    Each reclaimed entry's request is aborted by its exact rid on its server first: a
+    killed worker's requests otherwise decode on to their caps beside their re-runs."""
     count = 0
     for dataset in ledger.datasets():
-        for gone in ledger.reap(dataset):
-            log.warning("%s/%s: lease of %s went stale mid-request; re-enqueued", dataset,
-                        gone.sample, gone.worker or "?")
+        reaped = ledger.reap(dataset)
+        abort_entries(ledger, [{"rid": g.rid, "server": g.server} for g in reaped])
+        for gone in reaped:
+            log.warning("%s/%s: lease of %s went stale mid-request; its request aborted, "
+                        "re-enqueued", dataset, gone.sample, gone.worker or "?")
             if gone.payload:
                 requeue(Job.from_payload(json.loads(gone.payload)))
                 count += 1

@@ -197,10 +197,11 @@ def canonical(records: Iterable[dict[str, Any] | Problem],
 
 
 def choose(items: Iterable[T | Problem], rank: Callable[[T], Rank],
-           committed: Mapping[str, str] | None = None
+           committed: Mapping[str, str] | Any = None
            ) -> tuple[dict[str, T], list[Problem], int]:
     """``canonical`` over any items that ``rank`` reads: whole records, or the entries of
-    an index of them (``index.Entry``), which are then chosen exactly alike."""
+    an index of them (``index.Entry``), which are then chosen exactly alike. ``committed``:
+    the done map, as a dict or as a ``committed.Committed``."""
     chosen: dict[str, T] = {}
     problems: list[Problem] = []
     duplicates = 0
@@ -217,9 +218,11 @@ def choose(items: Iterable[T | Problem], rank: Callable[[T], Rank],
     return chosen, problems, duplicates
 
 
-def _prefer(new: Rank, old: Rank, committed: Mapping[str, str] | None) -> bool:
+def _prefer(new: Rank, old: Rank, committed: Mapping[str, str] | Any) -> bool:
     sid = new[0]
     if committed and sid in committed:
+        if not isinstance(committed, Mapping):  # a ``committed.Committed``: hashes, no str
+            return committed.rid_matches(sid, new[1]) and not committed.rid_matches(sid, old[1])
         rid = committed[sid].split(" ", 1)[0]
         return new[1] == rid and old[1] != rid
     # A missing (or null) rid sorts as "".

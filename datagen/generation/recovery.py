@@ -4,17 +4,28 @@ Used on restart (the producer does it for datasets Redis knows nothing of) and
 after Redis lost its data (``datagen recover``). Records written by an earlier
 version are adopted when their token count is known; the rest are reported and
 their samples regenerated.
+
+Memory stays flat in the records (``index``: ~30 bytes each), and Redis is written in
+batches of REDIS_BATCH fields, so no one command (or reply) holds the whole done map.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from datagen import keys
-from datagen.generation.index import choose_entries
+from datagen.generation.columns import each
+from datagen.generation.index import LineReader, RecordIndex, build_index, choose_rows, entry
 from datagen.generation.ledger import Ledger
 from datagen.generation.records import records_dir
+
+REDIS_BATCH = 10_000  # done fields per HSET (and ids per HDEL / ZREM) of a rebuild
 
 log = logging.getLogger(__name__)
 
@@ -45,30 +56,18 @@ class Rebuilt:
 def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
     """Replace the dataset's ledger state with what its records on disk say."""
     out = Rebuilt(dataset)
-    # Entries, not records: the counts need no token ids (see ``index``).
-    chosen, problems, out.duplicates = choose_entries(
-        records_dir(ledger.settings.output_dir, dataset))
-    out.problems = [str(p) for p in problems]
-    done: dict[str, str] = {}
+    # An index, not records: the counts need no token ids (see ``index``).
+    ix = build_index(records_dir(ledger.settings.output_dir, dataset))
+    out.problems = [str(p) for p in ix.problems]
+    rows, first, out.duplicates = choose_rows(ix)
     stats = {"tokens": 0, "prompt_tokens": 0, "completion_tokens": 0, "samples": 0,
              "truncated": 0}
-    lengths: list[int] = []
-    for sid, e in chosen.items():
-        if not e.is_current():
-            out.old_format += 1
-        counted = e.counted_tokens(ledger.settings.budget_counts)
-        if counted is None:
-            out.unknown_tokens += 1
-            continue
-        completion = int(e.completion_tokens or e.output_len or 0)
-        done[sid] = f"{'adopted' if e.rid is None else e.rid} {counted}"
-        stats["tokens"] += counted
-        stats["prompt_tokens"] += int(e.prompt_tokens or 0)
-        stats["completion_tokens"] += completion
-        stats["samples"] += 1
-        stats["truncated"] += int(e.truncated)
-        lengths.append(completion)
-    _store(ledger, dataset, done, stats, lengths)
+    completions = array("q")  # per chosen row; -1: not counted
+    staging = ledger.k(dataset, keys.DONE_REBUILD)
+    ledger.r.delete(staging)
+    for done in _batches(_counted(ledger, ix, rows, out, stats, completions)):
+        _store_batch(ledger, dataset, staging, done)
+    _store(ledger, dataset, stats, _lengths(first, completions), bool(stats["samples"]))
     out.samples, out.tokens = stats["samples"], stats["tokens"]
     out.closed = out.tokens >= ledger.budget(dataset)
     if out.closed:
@@ -80,23 +79,81 @@ def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
     return out
 
 
-def _store(ledger: Ledger, dataset: str, done: dict[str, str], stats: dict[str, int],
-           lengths: list[int]) -> None:
+def _counted(ledger: Ledger, ix: RecordIndex, rows: np.ndarray, out: Rebuilt,
+             stats: dict[str, int], completions: array) -> Iterator[tuple[str, str]]:
+    """(sample id, "rid tokens") of each chosen record whose tokens are known, read back
+    in file order; the stats and completions are filled on the way."""
+    with LineReader() as reader:
+        for row in each(rows):
+            path, offset, size = ix.where(row)
+            record = json.loads(reader.raw(path, offset, size, "a record"))
+            e = entry(record, path, offset, b"", False)
+            if not e.is_current():
+                out.old_format += 1
+            counted = e.counted_tokens(ledger.settings.budget_counts)
+            if counted is None:
+                out.unknown_tokens += 1
+                completions.append(-1)
+                continue
+            completion = int(e.completion_tokens or e.output_len or 0)
+            stats["tokens"] += counted
+            stats["prompt_tokens"] += int(e.prompt_tokens or 0)
+            stats["completion_tokens"] += completion
+            stats["samples"] += 1
+            stats["truncated"] += int(e.truncated)
+            completions.append(completion)
+            yield e.id, f"{'adopted' if e.rid is None else e.rid} {counted}"
+
+
+def _batches(pairs: Iterator[tuple[str, str]]) -> Iterator[dict[str, str]]:
+    batch: dict[str, str] = {}
+    for sid, value in pairs:
+        batch[sid] = value
+        if len(batch) >= REDIS_BATCH:
+            yield batch
+            batch = {}
+    if batch:
+        yield batch
+
+
+def _lengths(first: np.ndarray, completions: array) -> list[int]:
+    """The last LENGTHS_KEPT known completions in the order the samples first appear on
+    disk (what the length model learns from)."""
+    known = np.frombuffer(completions, dtype=np.int64) if len(completions) else np.zeros(
+        0, np.int64)
+    order = np.argsort(first, kind="stable")
+    ordered = known[order]
+    return ordered[ordered >= 0][-keys.LENGTHS_KEPT:].tolist()
+
+
+def _store_batch(ledger: Ledger, dataset: str, staging: str, done: dict[str, str]) -> None:
+    """One batch of done fields into the staging hash; their samples leave pending and
+    parked (a sample with a record on disk is done, whatever comes after)."""
+    k = ledger.k
+    with ledger.r.pipeline(transaction=False) as pipe:
+        pipe.hset(staging, mapping=done)
+        pipe.hdel(k(dataset, keys.PENDING), *done)
+        pipe.zrem(k(dataset, keys.PARKED), *done)
+        pipe.execute()
+
+
+def _store(ledger: Ledger, dataset: str, stats: dict[str, int], lengths: list[int],
+           staged: bool) -> None:
     r = ledger.r
     k = ledger.k
     # Counters the records decide are overwritten; the others (dead, revoked, reaped, ...)
     # and the close flag with its reason are kept. Callers hold the run marker off meanwhile,
-    # so no worker commits while this is written.
+    # so no worker commits while this is written. The done hash was staged batch by batch
+    # under another key; one transaction puts it in place with the stats, so a rebuild cut
+    # short leaves the ledger as it was (but for pending entries of samples done on disk).
     with r.pipeline() as pipe:
         for part in (keys.DONE, keys.LENGTHS, keys.SPEEDS, keys.MODEL):
             pipe.delete(k(dataset, part))
-        if done:
-            pipe.hset(k(dataset, keys.DONE), mapping=done)
-            pipe.hdel(k(dataset, keys.PENDING), *done)
-            pipe.zrem(k(dataset, keys.PARKED), *done)
+        if staged:
+            pipe.rename(k(dataset, keys.DONE_REBUILD), k(dataset, keys.DONE))
         pipe.hset(k(dataset, keys.STATS), mapping=stats)
-        if lengths:
-            pipe.lpush(k(dataset, keys.LENGTHS), *lengths[-keys.LENGTHS_KEPT:])
+        for a in range(0, len(lengths), REDIS_BATCH):
+            pipe.lpush(k(dataset, keys.LENGTHS), *lengths[a:a + REDIS_BATCH])
         pipe.sadd(keys.DATASETS, dataset)
         pipe.execute()
     ledger.refresh_model(dataset)

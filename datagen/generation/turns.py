@@ -1,6 +1,9 @@
 """Multi-turn regeneration (``regenerate = "all"``): one sample's assistant turns, in order.
 
-Each turn is one SGLang request, but the sample is one unit in the ledger: admitted once
+Each turn is one SGLang request, sent with the lease's rid (the turns run one after
+another, and SGLang frees a rid before it answers, so the rid is never twice in flight):
+an abort of the ledger entry's rid by its exact value, which is how SGLang 0.5.23 matches
+it, reaches whichever turn is running. The sample is one unit in the ledger: admitted once
 for all its turns (reserving ``turns × max_new_tokens``), held by one lease from its first
 turn to its commit, and committed once with the tokens of every turn. Turn k's prompt is
 turn k-1's prompt + its output ids + the template's ids before turn k (that turn's close,
@@ -54,12 +57,6 @@ class Stopped:
     detail: str
 
 
-def turn_rid(rid: str, turn: int) -> str:
-    """The first turn keeps the lease's rid; later ones extend it, so an abort of the
-    lease's rid (SGLang matches rids by prefix) reaches whichever turn is running."""
-    return rid if turn == 0 else f"{rid}-{turn}"
-
-
 def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
                    params: Mapping[str, Any], keep_truncated: bool,
                    may_continue: Callable[[], str]) -> Conversation | Stopped:
@@ -75,13 +72,16 @@ def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
             if state != "ok":
                 return Stopped(state, generated, f"stopped before turn {n + 1}: {state}")
         max_new = job.max_new_tokens
-        if job.context_length:
-            max_new = min(max_new, job.context_length - len(ids) - 1)
-        if max_new < 1:
-            return Stopped("context", generated,
-                           f"turn {n + 1} of {job.turns}: the conversation ({len(ids)} tokens) "
-                           f"leaves no room in the context length {job.context_length}")
-        gen = client.generate(ids, {**params, "max_new_tokens": max_new}, turn_rid(rid, n),
+        limits = job.limits
+        if limits is not None:
+            # Never send what the server refuses (a 400 would dead-letter it all the same,
+            # after a round trip and with the server's words instead of these).
+            refusal = limits.refusal(len(ids))
+            if refusal:
+                return Stopped("context", generated,
+                               f"turn {n + 1} of {job.turns}: the conversation's {refusal}")
+            max_new = min(max_new, limits.room(len(ids)))
+        gen = client.generate(ids, {**params, "max_new_tokens": max_new}, rid,
                               dataset=job.dataset)
         generated += gen.completion_tokens
         if gen.aborted:
@@ -89,7 +89,7 @@ def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
         if gen.truncated and not keep_truncated:
             return Stopped("truncated", generated, f"turn {n + 1} truncated at max_new_tokens "
                            "and keep_truncated is off")
-        turns.append({"rid": turn_rid(rid, n), "span": [len(ids), len(ids) + len(gen.output_ids)],
+        turns.append({"rid": rid, "span": [len(ids), len(ids) + len(gen.output_ids)],
                       "finish_reason": gen.finish_reason, "prompt_tokens": len(ids),
                       "completion_tokens": gen.completion_tokens, "latency_s": gen.latency_s})
     assert gen is not None  # job.turns >= 1

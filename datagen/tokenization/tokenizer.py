@@ -7,7 +7,8 @@ chat template rendered with the generation prompt, then tokenized without adding
 `build_tiny_tokenizer` writes a small byte-level BPE tokenizer with a Llama-3/Qwen-style chat
 template, trained on text generated in code, so tests and `make demo` never touch the network.
 `read_tokenizer_info` reads its (or any saved tokenizer's) eos id and vocabulary size from the JSON
-files alone, for callers that must not import transformers.
+files alone where there are any (no transformers import), else loads the folder as the producer
+does (a custom-code tokenizer such as Kimi's, with trust_remote_code).
 
 transformers is imported lazily: it costs about a second and a few hundred MB, and the producer
 only needs it once it really tokenizes.
@@ -165,21 +166,43 @@ def build_tiny_tokenizer(out_dir: Path, vocab_size: int = 4096) -> Path:
     return out_dir
 
 
-def read_tokenizer_info(tokenizer_path: str | Path) -> TokenizerInfo:
-    """Read eos token, its id and the vocabulary size from a saved fast tokenizer's JSON files."""
-    path = Path(tokenizer_path)
-    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+def read_tokenizer_info(tokenizer_path: str | Path,
+                        trust_remote_code: bool = False) -> TokenizerInfo:
+    """Read eos token, its id and the vocabulary size of a tokenizer folder.
+
+    From a fast tokenizer's JSON files when the folder has them (no transformers needed);
+    a folder without ``tokenizer.json`` (Kimi's: ``tiktoken.model`` and the checkpoint's own
+    code) is loaded as the producer loads it (``load_tokenizer``, ``trust_remote_code`` as
+    set). Errors are one-line TokenizerErrors naming tokenizer_path.
+    """
+    path = _checked_folder(tokenizer_path)
+    if not (path / "tokenizer.json").is_file():
+        return _info_of(load_tokenizer(path, trust_remote_code), path)
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+        ids = dict(spec["model"]["vocab"])
+        ids.update({added["content"]: added["id"] for added in spec.get("added_tokens", [])})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TokenizerError(f"tokenizer_path {path}: cannot read the tokenizer files: "
+                             f"{type(exc).__name__}: {exc}") from exc
     eos = config.get("eos_token")
     if isinstance(eos, Mapping):  # older files store AddedToken dicts
         eos = eos.get("content")
     if not isinstance(eos, str):
-        raise ValueError(f"{path}/tokenizer_config.json names no eos_token")
-    spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-    ids = dict(spec["model"]["vocab"])
-    ids.update({added["content"]: added["id"] for added in spec.get("added_tokens", [])})
+        raise TokenizerError(f"tokenizer_path {path}: tokenizer_config.json names no eos_token")
     if eos not in ids:
-        raise ValueError(f"{path}: eos token {eos!r} is not in the vocabulary")
+        raise TokenizerError(f"tokenizer_path {path}: eos token {eos!r} is not in the "
+                             "vocabulary")
     return TokenizerInfo(eos_token=eos, eos_token_id=ids[eos], vocab_size=max(ids.values()) + 1)
+
+
+def _info_of(tokenizer: Any, path: Path) -> TokenizerInfo:
+    if tokenizer.eos_token_id is None:
+        raise TokenizerError(f"tokenizer_path {path}: the tokenizer has no eos token")
+    # len() counts added tokens too, which is what an embedding table must cover.
+    return TokenizerInfo(eos_token=str(tokenizer.eos_token),
+                         eos_token_id=int(tokenizer.eos_token_id), vocab_size=len(tokenizer))
 
 
 class ChatTemplateError(ValueError):

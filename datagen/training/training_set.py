@@ -11,8 +11,9 @@ Rules, in order: records without token ids are dropped (old format); truncated r
 dropped when ``keep_truncated`` is off; an id already taken by an earlier dataset (datasets in
 name order) is a collision and the later copy is dropped; what is left is sorted by
 (dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
-settings give byte-identical files. Only an index (file, offset) is held in memory; records are
-read back one at a time when the shards are written.
+settings give byte-identical files. Only an index is held in memory, in flat columns
+(``sample_table``: dataset, offset, token counts, line digest and id, ~80 bytes a sample);
+records are read back one at a time when the shards are written.
 
 Extraction names its output files by ``idx`` and resumes by (dataset, id), so a training set
 must not change under a started extraction: ``prepare`` refuses when the new set differs from
@@ -24,15 +25,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+import numpy as np
+
 from config.settings import Settings
 from datagen.errors import PermanentError
+from datagen.generation.columns import each, frozen, id_order
+from datagen.generation.committed import Committed
 from datagen.generation.merge import datasets_on_disk, merge_dataset
 from datagen.generation.records import (
     atomic_file,
@@ -43,6 +47,7 @@ from datagen.generation.records import (
 )
 from datagen.operations.progress import Progress
 from datagen.training import handoff
+from datagen.training.sample_table import Entry, SampleTable, drop_collisions, shuffle_order
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +97,6 @@ class DatasetCount:
         return self.prompt_tokens + self.output_tokens
 
 
-@dataclass(frozen=True)
-class Entry:
-    dataset: str
-    id: str
-    offset: int   # byte offset of the record in the dataset's raw_responses.jsonl
-    prompt_tokens: int
-    output_tokens: int
-    digest: str   # sha256 of the record line: any change of content changes the fingerprint
-
-
 @dataclass
 class TrainingSet:
     datasets: list[DatasetCount]
@@ -122,16 +117,17 @@ class TrainingSet:
         return sum(d.tokens for d in self.datasets)
 
 
-def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None],
+def prepare(settings: Settings,
+            committed: Mapping[str, Mapping[str, str] | Committed | None],
             decode: Decode | None, force: bool = False) -> TrainingSet:
     """Merge, filter, deduplicate, shuffle and write the shards, conversations and manifest.
 
     ``committed``: per dataset the ledger's done map (None when Redis is not reachable: every
     record on disk counts). ``decode``: token ids -> text, or None to skip conversations."""
     out = Path(settings.output_dir)
-    counts, entries, collisions = _index(settings, committed)
-    order = _shuffled(entries, settings.shuffle_seed)
-    tset = TrainingSet(counts, collisions, fingerprint=_fingerprint(order, settings))
+    counts, table, collisions = _index(settings, committed)
+    order = _shuffled(table, settings.shuffle_seed)
+    tset = TrainingSet(counts, collisions, fingerprint=_fingerprint(table, order, settings))
     folder = training_dir(out)
     _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
     tset.directory = str(folder)
@@ -141,7 +137,7 @@ def prepare(settings: Settings, committed: Mapping[str, Mapping[str, str] | None
     with (_Reader(out) as reader, atomic_file(rows_path) as rows,
           atomic_file(conversations_path) if decode else nullcontext() as conversations):
         besides = _Besides(settings, tset.lengths, rows, conversations, decode)
-        tset.shards = _write_shards(out, order, settings.shard_samples, reader, besides)
+        tset.shards = _write_shards(out, table, order, settings.shard_samples, reader, besides)
     tset.online_rows = str(rows_path)
     if decode is not None:
         tset.conversations = str(conversations_path)
@@ -172,31 +168,26 @@ class _Besides:
             self.conversations.write(_conversation_line(record, self.decode))
 
 
-def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | None]
-           ) -> tuple[list[DatasetCount], list[Entry], list[tuple[str, str, str]]]:
+def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Committed | None]
+           ) -> tuple[list[DatasetCount], SampleTable, list[tuple[str, str, str]]]:
     counts: list[DatasetCount] = []
-    entries: list[Entry] = []
-    owner: dict[str, str] = {}
-    collisions: list[tuple[str, str, str]] = []
-    for dataset in datasets_on_disk(settings.output_dir):
+    table = SampleTable()
+    for number, dataset in enumerate(datasets_on_disk(settings.output_dir)):
         merged = merge_dataset(settings.output_dir, dataset, committed.get(dataset))
         count = DatasetCount(dataset, records=merged.records, uncommitted=merged.uncommitted,
                              copies=merged.duplicates)
+        table.datasets.append(dataset)
         for offset, record in _scan(merged_path(settings.output_dir, dataset)):
             entry = _admit(record, offset, count, settings.keep_truncated)
             if entry is None:
                 continue
-            if entry.id in owner:
-                count.collisions += 1
-                collisions.append((entry.id, owner[entry.id], dataset))
-                continue
-            owner[entry.id] = dataset
             count.samples += 1
             count.prompt_tokens += entry.prompt_tokens
             count.output_tokens += entry.output_tokens
-            entries.append(entry)
+            table.add(number, entry)
         counts.append(count)
-    return counts, entries, collisions
+    collisions = drop_collisions(table, counts)
+    return counts, table, collisions
 
 
 def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
@@ -225,17 +216,20 @@ def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
                  len(record["output_ids"]), digest)
 
 
-def _shuffled(entries: list[Entry], seed: int) -> list[Entry]:
+def _shuffled(table: SampleTable, seed: int) -> np.ndarray:
+    """The kept rows sorted by (dataset, id), then shuffled as ``random.Random(seed).shuffle``
+    shuffles a list of them."""
     # sorted first: the order does not depend on merge order or on the datasets' listing
-    order = sorted(entries, key=lambda e: (e.dataset, e.id))
-    random.Random(seed).shuffle(order)
-    return order
+    rows = id_order(frozen(table.dataset, np.uint32).astype(np.int64), table.ids, table.kept)
+    return rows[shuffle_order(len(rows), seed)]
 
 
-def _fingerprint(order: Sequence[Entry], settings: Settings) -> str:
+def _fingerprint(table: SampleTable, order: np.ndarray, settings: Settings) -> str:
     h = hashlib.sha256(f"v{MANIFEST_VERSION} shard_samples={settings.shard_samples}\n".encode())
-    for e in order:
-        h.update(f"{e.dataset}\t{e.id}\t{e.digest}\n".encode())
+    names = [name.encode() for name in table.datasets]
+    for row in each(order):
+        h.update(b"%s\t%s\t%s\n" % (names[table.dataset[row]], table.ids.raw(row),
+                                     table.digests[32 * row:32 * row + 32].hex().encode()))
     return h.hexdigest()
 
 
@@ -277,7 +271,7 @@ class _Reader:
             fh.close()
 
 
-def _write_shards(out: Path, order: list[Entry], per_shard: int, reader: _Reader,
+def _write_shards(out: Path, table: SampleTable, order: np.ndarray, per_shard: int, reader: _Reader,
                   besides: Callable[[Entry, dict[str, Any]], None]) -> list[dict[str, Any]]:
     shards = []
     progress = Progress("prepare: shards", len(order), "samples")
@@ -285,12 +279,11 @@ def _write_shards(out: Path, order: list[Entry], per_shard: int, reader: _Reader
         chunk = order[start:start + per_shard]
         rel = shard_relpath(number)
         digest = hashlib.sha256()
-        lines = (_shard_line(start + i, _read(reader, e, besides), digest)
-                 for i, e in enumerate(chunk))
+        lines = (_shard_line(start + i, _read(reader, table.entry(row), besides), digest)
+                 for i, row in enumerate(chunk.tolist()))
         write_atomic(out / rel, lines)
         shards.append({"path": rel, "first_idx": start, "samples": len(chunk),
-                       "tokens": sum(e.prompt_tokens + e.output_tokens for e in chunk),
-                       "sha256": digest.hexdigest()})
+                       "tokens": table.tokens(chunk), "sha256": digest.hexdigest()})
         progress.update(len(chunk))
     progress.close()
     keep = {Path(s["path"]).name for s in shards}

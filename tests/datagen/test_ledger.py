@@ -242,16 +242,16 @@ def test_a_stale_lease_is_reclaimed_whoever_owns_it_and_a_live_one_is_not(
         redis_url: str) -> None:
     led = _ledger(redis_url, lease_s=0.3)
     led.add_pending("A", {"s1": '{"sample": "s1"}', "s2": '{"sample": "s2"}'})
-    led.admit("A", "s1", "r1", "host-1-aaaaaa", 5, 100)
+    led.admit("A", "s1", "r1", "host-1-aaaaaa", 5, 100, server="http://gpu-1:30000")
     led.admit("A", "s2", "r2", "host-1-bbbbbb", 5, 100)
     # When: only s2's owner renews, past the lease
     time.sleep(0.2)
     assert led.renew({"A": [("s2", "r2"), ("s1", "not-its-rid")]}) == 1
     time.sleep(0.2)
     reclaimed = led.reap("A")
-    # Then: s1 is reclaimed with its payload; s2 stays
-    assert [(r.sample, r.payload, r.worker) for r in reclaimed] == [
-        ("s1", '{"sample": "s1"}', "host-1-aaaaaa")]
+    # Then: s1 is reclaimed with its payload, and the rid and server to abort; s2 stays
+    assert [(r.sample, r.payload, r.worker, r.rid, r.server) for r in reclaimed] == [
+        ("s1", '{"sample": "s1"}', "host-1-aaaaaa", "r1", "http://gpu-1:30000")]
     assert set(led.in_flight("A")) == {"s2"}
     assert led.snapshot("A")["stats"]["reaped"] == 1
     assert led.reap("A") == []  # exactly one reaper gets each entry

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 
 from config.settings import load_settings
 from datagen import keys
@@ -86,6 +87,66 @@ def test_reclaimed_shards_are_sent_at_the_retry_priority(redis_url: str) -> None
     lists = keys.queue_lists(xlm.GPU_QUEUE)
     assert r.llen(lists[0]) == 1 and r.llen(lists[-1]) == 1  # step 0 is served first
     assert xlm.ExtractionLedger(r).queued("datagen.extract") == {"fresh", "back"}
+
+
+def test_a_message_taken_but_never_run_is_sent_again_after_a_lease(redis_url: str,
+                                                                  tmp_path: Path) -> None:
+    from kombu import Queue
+
+    from datagen.celery_app import EXTRACT_TASK, make_app
+
+    # Given: two shards sent as `datagen extract` sends them; a consumer (a gpu worker's,
+    # no acks) takes one message and dies before its run: the message is gone from Redis
+    r = connect(redis_url)
+    settings = load_settings(None, env={"DATAGEN_REDIS_URL": redis_url,
+                                        "DATAGEN_OUTPUT_DIR": str(tmp_path)})
+    app = make_app(settings)
+    xl = xlm.ExtractionLedger(r)
+    runner.enqueue(app, xl, ["taken", "waiting"])
+    taken: list[str] = []
+    with app.connection_for_read() as conn:
+        consumer = app.amqp.TaskConsumer(conn, queues=[Queue(xlm.GPU_QUEUE)], callbacks=[
+            lambda body, message: taken.append(message.payload[1]["shard"])])
+        consumer.qos(prefetch_count=1)
+        with consumer:
+            conn.drain_events(timeout=10)
+    assert taken in (["taken"], ["waiting"])  # one of them, whichever came first
+    gone, left = taken[0], ({"taken", "waiting"} - set(taken)).pop()
+    assert xl.queued(EXTRACT_TASK) == {left} and r.hlen("unacked") == 0
+    sent: list[tuple[str, bool]] = []
+
+    def reap(lease_s: float) -> int:
+        r.delete(keys.EXTRACT_REAPER_LOCK)  # one reaper per second: here, every call
+        return runner.reap(settings.replace(lease_s=lease_s), xl,
+                           lambda shard, retry: sent.append((shard, retry)))
+
+    # When/Then: within a lease of the send its taker may still be about to start: left alone
+    assert reap(3600) == 0
+    # a lease after the send it is neither queued nor leased: sent again, ahead of fresh
+    # shards; the one still waiting in the queue is not
+    time.sleep(0.01)
+    assert reap(0.005) == 1
+    assert sent == [(gone, True)]
+    entry = json.loads(r.hget(xlm.RUNNING, gone))
+    assert entry["sent"] and entry["tries"] == 0 and entry["requeued_by"] == runner.worker_id()
+    assert reap(3600) == 0  # just sent again: a lease to be taken
+    app.close()
+
+
+def test_a_failed_run_is_retried_after_its_delay_not_a_lease(redis_url: str) -> None:
+    # Given: a shard sent, taken by a run (its lease) that failed: retry in 0.1 s
+    r = connect(redis_url)
+    settings = load_settings(None, env={"DATAGEN_REDIS_URL": redis_url, "DATAGEN_LEASE_S": "60"})
+    xl = xlm.ExtractionLedger(r)
+    xl.sent(["s"])
+    with pytest.raises(RuntimeError), xl.lease("s", "me", 60):
+        raise RuntimeError("disk error")
+    xl.retry_later("s", 0.1)
+    sent: list[str] = []
+    # When/Then: sent again once the delay is over, though it was sent well within a lease
+    wait_until(lambda: runner.reap(settings, xl, lambda shard, _r: sent.append(shard)) == 1,
+               10, 0.05, what="the retry")
+    assert sent == ["s"]
 
 
 RANK_SCRIPT = """

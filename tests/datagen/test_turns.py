@@ -59,7 +59,9 @@ def test_task_messages_of_earlier_versions_are_single_turn() -> None:
            "prompt_tokens": 10, "max_new_tokens": 64, "epoch": 2}
     job = Job.from_payload(old)
     assert (job.turns, job.context_length, job.sample_cap) == (1, 0, 64)
-    multi = Job("B1", "s1", "short", "p", 0, 10, 64, 2, turns=3, context_length=500)
+    assert job.max_input_tokens == 0 and job.limits is None
+    multi = Job("B1", "s1", "short", "p", 0, 10, 64, 2, turns=3, context_length=500,
+                max_input_tokens=494)
     assert Job.from_payload(multi.payload()) == multi and multi.sample_cap == 192
 
 
@@ -80,18 +82,21 @@ class FakeClient:
         return Generation(out, reason, len(ids), len(out), 0.1, "")
 
 
-def job_and_prompt(context_length: int, turns: int = 3) -> tuple[Job, Prompt]:
-    job = Job("B1", "s1", "short", "p", 0, 4, 10, turns=turns, context_length=context_length)
+def job_and_prompt(context_length: int, turns: int = 3, max_input_tokens: int = 0
+                   ) -> tuple[Job, Prompt]:
+    job = Job("B1", "s1", "short", "p", 0, 4, 10, turns=turns, context_length=context_length,
+              max_input_tokens=max_input_tokens)
     return job, Prompt("s1", "B1", [], [1, 5, 5, 6], [[2, 3, 6]] * (turns - 1))
 
 
 def test_each_turn_extends_the_previous_prompt_and_is_clamped_to_the_context() -> None:
     client = FakeClient(length=5)
-    job, prompt = job_and_prompt(context_length=23)
+    job, prompt = job_and_prompt(context_length=23, max_input_tokens=19)
     result = generate_turns(client, job, prompt, "rid", {}, True, lambda: "ok")  # type: ignore[arg-type]
     assert isinstance(result, Conversation)
     (p1, m1, r1), (p2, m2, r2), (p3, m3, r3) = client.calls
-    assert (r1, r2, r3) == ("rid", "rid-1", "rid-2")
+    # One rid for every turn: an abort by the ledger entry's exact rid reaches any of them
+    assert (r1, r2, r3) == ("rid", "rid", "rid")
     assert p2 == p1 + [7, 7, 7, 7, 2] + [3, 6]  # the close (eos) is written once
     assert (len(p1), len(p2), len(p3)) == (4, 11, 18)
     assert (m1, m2, m3) == (10, 10, 23 - 18 - 1)  # the last turn has 4 tokens of room left
@@ -117,6 +122,24 @@ def test_no_room_left_or_a_refusal_stops_before_the_next_turn() -> None:
     assert isinstance(stop, Stopped) and (stop.reason, stop.tokens) == ("closed", 5)
     stop = generate_turns(FakeClient(50), job, prompt, "rid", {}, False, lambda: "ok")  # type: ignore[arg-type]
     assert isinstance(stop, Stopped) and stop.reason == "truncated"
+
+
+def test_a_turn_the_server_would_refuse_for_its_input_length_is_not_sent() -> None:
+    # Given: room in the context for the third turn (18 + 1 < 23), but the server's
+    # max_req_input_len (18) refuses an input of 18 tokens
+    client = FakeClient(length=5)
+    job, prompt = job_and_prompt(context_length=23, max_input_tokens=18)
+    stop = generate_turns(client, job, prompt, "rid", {}, True, lambda: "ok")  # type: ignore[arg-type]
+    # Then: two turns were sent, the third stopped with the reason
+    assert len(client.calls) == 2
+    assert isinstance(stop, Stopped) and stop.reason == "context" and stop.tokens == 10
+    assert "turn 3 of 3" in stop.detail and "18 tokens" in stop.detail
+    assert "max_req_input_len" in stop.detail
+    # ... and without the server's figure, context - 6 stands in for it
+    client = FakeClient(length=5)
+    job, prompt = job_and_prompt(context_length=23)
+    assert isinstance(generate_turns(client, job, prompt, "rid", {}, True, lambda: "ok"),  # type: ignore[arg-type]
+                      Stopped) and len(client.calls) == 2
 
 
 def test_fixture_folder_is_built_offline(tmp_path: Path) -> None:

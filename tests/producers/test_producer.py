@@ -13,6 +13,7 @@ from conftest import write_jsonl
 
 from cli.stack import REPO
 from config.settings import Settings
+from datagen.client import Limits
 from datagen.keys import queue_lists
 from datagen.redis_server import free_port
 from producers.producer import Plan, classify
@@ -26,13 +27,24 @@ def test_classify_by_prompt_length_against_the_threshold() -> None:
 
 def test_max_new_tokens_is_clamped_to_the_context_or_the_prompt_skipped() -> None:
     s = Settings(long_threshold_tokens=100, short_max_tokens=50, long_max_tokens=80)
-    # SGLang refuses prompt + max_new_tokens >= context: the largest it takes is one less
-    assert classify(s, 90, context_length=120) == Plan("short", 29)
-    assert classify(s, 150, context_length=400) == Plan("long", 80)
-    assert classify(s, 118, context_length=120) == Plan("long", 1)
+    # SGLang refuses prompt + max_new_tokens > context; the clamp keeps one token spare
+    assert classify(s, 90, Limits(120, 114, "t")) == Plan("short", 29)
+    assert classify(s, 150, Limits(400, 394, "t")) == Plan("long", 80)
+    assert classify(s, 113, Limits(120, 114, "t")) == Plan("long", 6)
+    assert classify(s, 118, Limits(120, 119, "t")) == Plan("long", 1)
     for prompt in (119, 120):
-        reason = classify(s, prompt, context_length=120)
+        reason = classify(s, prompt, Limits(120, 200, "t"))
         assert isinstance(reason, str) and f"{prompt} tokens" in reason and "no room" in reason
+
+
+def test_a_prompt_at_or_over_max_req_input_len_is_skipped_with_the_reason() -> None:
+    # SGLang 0.5.23 refuses an input >= max_req_input_len (context - 6) with a 400, though
+    # the context would leave room: context - 6 ... context - 2 tokens were sent before.
+    s = Settings(long_threshold_tokens=100, short_max_tokens=50, long_max_tokens=80)
+    for prompt in range(114, 119):
+        reason = classify(s, prompt, Limits(120, 114, "t"))
+        assert isinstance(reason, str) and f"{prompt} tokens" in reason
+        assert "fewer than 114" in reason and "max_req_input_len" in reason
 
 
 def test_nothing_is_enqueued_while_the_context_length_is_unknown(

@@ -80,27 +80,46 @@ def test_stream_interval_follows_sglang_rule():
     assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 6, 11, 12]
 
 
-def test_abort_by_rid_prefix_returns_partial_output():
+def test_abort_matches_the_rid_exactly_and_returns_partial_output():
+    # SGLang 0.5.23 with its default --tokenizer-worker-num 1 looks the rid up exactly: a
+    # prefix of running rids aborts nothing (and answers 200 all the same).
     with running_sim(**SLOW) as url:
         calls = {rid: in_background(generate, url, [i + 1], rid=rid, sampling_params=LONG)
                  for i, rid in enumerate(["job1-aaaa", "job1-bbbb", "job2-cccc"])}
         wait_until(lambda: stats(url)["tokens_generated"] >= 30)
-        assert requests.post(f"{url}/abort_request", json={"rid": "job1-"},
+        prefix = requests.post(f"{url}/abort_request", json={"rid": "job1-"}, timeout=TIMEOUT)
+        assert prefix.status_code == 200 and stats(url)["running"] == 3
+        assert requests.post(f"{url}/abort_request", json={"rid": "job1-aaaa"},
                              timeout=TIMEOUT).status_code == 200
-        for rid in ("job1-aaaa", "job1-bbbb"):
-            thread, out = calls[rid]
+        thread, out = calls["job1-aaaa"]
+        thread.join(10)
+        body = out["result"].json()
+        assert out["result"].status_code == 200
+        assert body["meta_info"]["finish_reason"] == {
+            "type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        assert 0 < len(body["output_ids"]) < 2000
+        assert body["meta_info"]["completion_tokens"] == len(body["output_ids"])
+        assert stats(url)["running"] == 2  # job1-bbbb and job2-cccc run on
+        requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
+        for thread, _ in calls.values():
             thread.join(10)
-            body = out["result"].json()
-            assert out["result"].status_code == 200
-            assert body["meta_info"]["finish_reason"] == {
-                "type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-            assert 0 < len(body["output_ids"]) < 2000
-            assert body["meta_info"]["completion_tokens"] == len(body["output_ids"])
+        aborted = [r["rid"] for r in log(url) if r["event"] == "abort"]
+    assert aborted[0] == "job1-aaaa" and sorted(aborted[1:]) == ["job1-bbbb", "job2-cccc"]
+
+
+def test_abort_by_prefix_emulates_two_tokenizer_workers():
+    # --tokenizer-worker-num 2: the rid reaches the scheduler, which matches it as a prefix.
+    with running_sim(abort_by_prefix=True, **SLOW) as url:
+        calls = {rid: in_background(generate, url, [i + 1], rid=rid, sampling_params=LONG)
+                 for i, rid in enumerate(["job1-aaaa", "job1-bbbb", "job2-cccc"])}
+        wait_until(lambda: stats(url)["tokens_generated"] >= 30)
+        requests.post(f"{url}/abort_request", json={"rid": "job1-"}, timeout=TIMEOUT)
+        for rid in ("job1-aaaa", "job1-bbbb"):
+            calls[rid][0].join(10)
+            assert calls[rid][1]["result"].json()["meta_info"]["finish_reason"]["type"] == "abort"
         assert stats(url)["running"] == 1  # job2-cccc was not a prefix match
         requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=TIMEOUT)
         calls["job2-cccc"][0].join(10)
-        events = {(r["event"], r["rid"]) for r in log(url)}
-    assert ("abort", "job1-aaaa") in events and ("abort", "job2-cccc") in events
 
 
 def test_abort_all_also_aborts_waiting_requests():
@@ -147,10 +166,15 @@ def test_unknown_sampling_param_is_400_naming_it():
     assert ignored.status_code == 200
 
 
-def test_input_over_the_context_length_is_400_with_sglang_message():
+def test_the_three_length_rules_answer_400_in_sglangs_words():
+    # Context 100, so max_req_input_len is 94 (SGLang: context - 6).
     with running_sim(context_length=100) as url:
         too_long = generate(url, list(range(3, 103)))
         too_much = generate(url, list(range(3, 53)), sampling_params={"max_new_tokens": 60})
+        exactly_full = generate(url, list(range(3, 53)), sampling_params={"max_new_tokens": 50})
+        over_input_limit = generate(url, list(range(3, 97)), sampling_params={"max_new_tokens": 1})
+        under_input_limit = generate(url, list(range(3, 96)),
+                                     sampling_params={"max_new_tokens": 1})
     assert too_long.status_code == 400
     assert too_long.json() == {"error": {"message": "The input (100 tokens) is longer than the "
                                                     "model's context length (100 tokens)."}}
@@ -161,6 +185,13 @@ def test_input_over_the_context_length_is_400_with_sglang_message():
         "for the completion. Please reduce the number of tokens in the input messages or the "
         "completion to fit within the limit."
     )
+    # input + max_new_tokens == context is accepted (SGLang refuses only a larger total)
+    assert exactly_full.status_code == 200
+    assert over_input_limit.status_code == 400
+    assert over_input_limit.json()["error"]["message"] == (
+        "Input length (94 tokens) exceeds the maximum allowed length (94 tokens). Use a "
+        "shorter input or enable --allow-auto-truncate.")
+    assert under_input_limit.status_code == 200
 
 
 def test_api_key_is_required_except_for_health():
@@ -186,13 +217,27 @@ def test_info_endpoints_report_model_and_limits():
         models = get("/v1/models").json()
         health_generate = get("/health_generate")
     assert server["context_length"] == 4096 and server["max_running_requests"] == 7
-    assert {"max_req_input_len", "max_total_num_tokens"} <= set(server)
+    assert server["max_req_input_len"] == 4090 and server["max_total_num_tokens"] == 7 * 4096
     assert "api_key" not in server
     assert model == old_model
     assert model["model_path"] == "sim-model" and model["is_generation"] is True
     assert "tokenizer_path" in model
     assert models["data"][0]["id"] == "sim-model"
+    assert models["data"][0]["max_model_len"] == 4096
     assert health_generate.status_code == 200
+
+
+def test_a_default_launch_shows_no_context_length_but_its_limits_as_sglang_does():
+    # SGLang's /server_info context_length is the launch argument: null without one. The
+    # limits in force are max_req_input_len and /v1/models max_model_len.
+    with running_sim(max_position_embeddings=2048) as url:
+        server = requests.get(f"{url}/server_info", timeout=TIMEOUT).json()
+        models = requests.get(f"{url}/v1/models", timeout=TIMEOUT).json()
+        refused = generate(url, list(range(3, 2046)), sampling_params={"max_new_tokens": 1})
+    assert server["context_length"] is None
+    assert server["max_req_input_len"] == 2042
+    assert models["data"][0]["max_model_len"] == 2048
+    assert refused.status_code == 400 and "(2042 tokens)" in refused.json()["error"]["message"]
 
 
 def test_request_log_records_dataset_header_and_output(tmp_path):

@@ -47,3 +47,15 @@ def test_cli_refuses_a_bad_setting_naming_it():
     _, stderr = proc.communicate(timeout=10)
     assert proc.returncode == 2
     assert "lengths" in stderr and "gaussian" in stderr
+
+
+def test_cli_takes_the_context_length_and_the_prefix_abort_as_options():
+    proc = _start("--context-length", "512", "--abort-by-prefix", "true")
+    try:
+        url = proc.stdout.readline().split()[1]
+        server = requests.get(f"{url}/server_info", timeout=TIMEOUT).json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+    assert server["context_length"] == 512 and server["abort_by_prefix"] is True
+    assert server["max_req_input_len"] == 506

@@ -4,7 +4,8 @@
 -- KEYS[1] flight  KEYS[2] buckets  KEYS[3] leases  KEYS[4] pending  KEYS[5] stats
 -- KEYS[6] closed flag
 -- ARGV[1] most entries to reclaim in this call
--- Returns {sample, payload or "", worker, ...} for every entry reclaimed.
+-- Returns {sample, payload or "", worker, rid, server, ...} for every entry reclaimed
+-- (rid and server: the reaper aborts the dead owner's request, which runs on otherwise).
 local now = redis_now()
 local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local closed = redis.call('EXISTS', KEYS[6]) == 1
@@ -12,7 +13,8 @@ local out = {}
 for _, sample in ipairs(stale) do
   local raw = redis.call('HGET', KEYS[1], sample)
   if raw then
-    local worker = cjson.decode(raw)['worker'] or ''
+    local entry = cjson.decode(raw)
+    local worker = entry['worker'] or ''
     drop_entry(KEYS[1], KEYS[2], KEYS[3], sample, raw)
     redis.call('HINCRBY', KEYS[5], 'reaped', 1)
     local payload = ''
@@ -20,6 +22,8 @@ for _, sample in ipairs(stale) do
     out[#out + 1] = sample
     out[#out + 1] = payload
     out[#out + 1] = worker
+    out[#out + 1] = entry['rid'] or ''
+    out[#out + 1] = entry['server'] or ''
   else
     redis.call('ZREM', KEYS[3], sample)
   end

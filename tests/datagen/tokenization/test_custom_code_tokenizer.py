@@ -12,7 +12,12 @@ import pytest
 
 from config.settings import load_settings
 from datagen.builders.tiktoken_fixture import CLASS_NAME, MODULE_NAME, build_tiktoken_tokenizer
-from datagen.tokenization.tokenizer import ChatEncoder, TokenizerError, build_tiny_tokenizer
+from datagen.tokenization.tokenizer import (
+    ChatEncoder,
+    TokenizerError,
+    build_tiny_tokenizer,
+    read_tokenizer_info,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Explain the budget of a dataset, please."}]
@@ -113,3 +118,20 @@ def test_a_broken_tokenizer_folder_is_one_line(tmp_path: Path) -> None:
 def test_an_ordinary_tokenizer_needs_no_trust(tmp_path: Path) -> None:
     tiny = build_tiny_tokenizer(tmp_path / "tiny", vocab_size=512)
     assert ChatEncoder(tiny).encode(CHAT[1:])
+
+
+def test_tokenizer_info_of_a_folder_without_tokenizer_json_comes_from_its_code(
+        kimi_dir: Path, tmp_path: Path) -> None:
+    # Given: Kimi's shape (tiktoken.model and the checkpoint's own code, no tokenizer.json)
+    # When / Then: the info the local trial gives the simulator is the producer's tokenizer's
+    info = read_tokenizer_info(kimi_dir, trust_remote_code=True)
+    encoder = ChatEncoder(kimi_dir, trust_remote_code=True)
+    assert (info.eos_token, info.eos_token_id) == ("<|im_end|>", encoder.eos_token_id)
+    assert info.vocab_size == encoder.vocab_size
+    # ... and without trust_remote_code, or in a folder with no tokenizer, one line naming
+    # the setting instead of a FileNotFoundError
+    with pytest.raises(TokenizerError, match="tokenizer_path .*trust_remote_code"):
+        read_tokenizer_info(kimi_dir)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TokenizerError, match="tokenizer_path .*no tokenizer files"):
+        read_tokenizer_info(tmp_path / "empty")
