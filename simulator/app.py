@@ -20,6 +20,11 @@ class App:
         self.fault = FaultState()
         self.engine = Engine(config, self.journal, self.stats, self.fault)
         self.started_at = time.time()
+        self._ready_at = time.monotonic() + config.startup_s
+
+    def starting(self) -> bool:
+        """True during the simulated start-up (``startup_s``): /health answers 503."""
+        return time.monotonic() < self._ready_at
 
     def start(self) -> None:
         self.engine.start()

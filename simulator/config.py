@@ -31,6 +31,10 @@ class SimulatorConfig:
     vocab_size: int = 32000
     eos_token_id: int = 2
     stream_interval: int = 1
+    # Seconds after the start during which /health and /health_generate answer 503, as
+    # SGLang's do while it loads the model (its port already listens). Wall-clock seconds,
+    # not scaled by time_scale: it is how long a client must wait, not simulated GPU work.
+    startup_s: float = 0.0
     # repr=False: the key must not end up in logs through the config's repr.
     api_key: str | None = field(default=None, repr=False)
     request_log: str | None = None
@@ -61,6 +65,7 @@ class SimulatorConfig:
         _check(self.vocab_size >= 3, "vocab_size", self.vocab_size)
         _check(0 <= self.eos_token_id < self.vocab_size, "eos_token_id", self.eos_token_id)
         _check(self.stream_interval >= 1, "stream_interval", self.stream_interval)
+        _check(self.startup_s >= 0, "startup_s", self.startup_s)
         _check(0 <= self.port <= 65535, "port", self.port)
         parse_lengths(self.lengths)
 

@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 
 MIN_TICK_S = 0.005
 MAX_CATCH_UP_S = 1.0
-ABORT_REASON = {"type": "abort", "message": "Abort request"}
-SHUTDOWN_REASON = {"type": "abort", "message": "Server is shutting down"}
+# SGLang 0.5.23's finish_reason for a request aborted through /abort_request.
+ABORT_REASON = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+SHUTDOWN_REASON = {"type": "abort", "message": "Server is shutting down", "status_code": None,
+                   "err_type": None}
 
 
 @dataclass(eq=False)

@@ -22,7 +22,7 @@ class ApiError(Exception):
 
 class DuplicateRid(ApiError):
     def __init__(self, rid: str) -> None:
-        super().__init__(HTTPStatus.BAD_REQUEST, f"Duplicate request ID: {rid}")
+        super().__init__(HTTPStatus.BAD_REQUEST, f"Duplicate request ID detected: {rid}")
 
 
 class QueueFull(ApiError):

@@ -135,11 +135,12 @@ def _pump(out: Responder, app: App, req: SimRequest, reset_mid: bool) -> None:
         for point in stream_points(sent, decoded, req.stream_interval):
             if reason is not None and point == decoded:
                 break  # the final chunk below carries this length
-            _emit(out, result_body(req, point, None, time.time() - req.created_at), reset_mid)
+            _emit(out, result_body(req, point, None, time.time() - req.created_at,
+                                   streamed=True, first=point == 1), reset_mid)
         sent = decoded
         if reason is not None:
             latency = req.finished_at - req.created_at
-            _emit(out, result_body(req, decoded, reason, latency), reset_mid)
+            _emit(out, result_body(req, decoded, reason, latency, streamed=True), reset_mid)
             return
 
 

@@ -161,11 +161,12 @@ def _json_body(raw: bytes) -> dict:
 
 
 def _health(h: SimHandler, _raw: bytes) -> None:
-    h.send_empty(HTTPStatus.OK)
+    # SGLang answers 503 with an empty body while it starts (ServerStatus.Starting).
+    h.send_empty(HTTPStatus.SERVICE_UNAVAILABLE if h.app.starting() else HTTPStatus.OK)
 
 
 def _health_generate(h: SimHandler, _raw: bytes) -> None:
-    down = h.app.fault.is_down()
+    down = h.app.starting() or h.app.fault.is_down()
     h.send_empty(HTTPStatus.SERVICE_UNAVAILABLE if down else HTTPStatus.OK)
 
 

@@ -49,6 +49,7 @@ def plan_output(
     sampling_seed: int | None = None,
     min_new_tokens: int = 0,
     ignore_eos: bool = False,
+    stop_token_ids: tuple[int, ...] = (),
 ) -> OutputPlan:
     digest = _request_digest(config.seed, input_ids, sampling_seed)
     natural = _natural_length(config, random.Random(digest[:16]))
@@ -57,12 +58,29 @@ def plan_output(
     id_rng = random.Random(digest[16:])
     if ignore_eos or natural > max_new_tokens:
         ids = _body_ids(id_rng, max_new_tokens, config)
-        return OutputPlan(ids, {"type": "length", "length": max_new_tokens},
-                          config.eos_token_id)
+        return _stop_early(OutputPlan(ids, {"type": "length", "length": max_new_tokens},
+                                      config.eos_token_id), stop_token_ids, min_new_tokens)
     # Stop on EOS: the EOS id is the last output id, as with skip_special_tokens only the text
     # drops it.
     ids = _body_ids(id_rng, natural - 1, config) + [config.eos_token_id]
-    return OutputPlan(ids, {"type": "stop", "matched": config.eos_token_id}, config.eos_token_id)
+    return _stop_early(OutputPlan(ids, {"type": "stop", "matched": config.eos_token_id},
+                                  config.eos_token_id), stop_token_ids, min_new_tokens)
+
+
+def _stop_early(plan: OutputPlan, stop_token_ids: tuple[int, ...],
+                min_new_tokens: int) -> OutputPlan:
+    """The plan cut at the first of ``stop_token_ids`` it makes (not before min_new_tokens).
+
+    As on SGLang the matched id is the last output id and the finish reason names it; the
+    output ids are what they would be without the stop ids, so a test can pick a stop id
+    from a first answer.
+    """
+    stops = set(stop_token_ids)
+    for index, token in enumerate(plan.ids):
+        if token in stops and index + 1 > min_new_tokens:
+            return OutputPlan(plan.ids[: index + 1], {"type": "stop", "matched": token},
+                              plan.eos_token_id)
+    return plan
 
 
 def tokenize_text(text: str, config: SimulatorConfig) -> list[int]:

@@ -1,25 +1,20 @@
 """The /generate request and response bodies, checked the way SGLang 0.5 checks them."""
 
 import logging
+import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from simulator.config import SimulatorConfig
+from simulator.contract import check_contract
 from simulator.engine import SimRequest
 from simulator.errors import ApiError
 from simulator.lengths import plan_output, tokenize_text
 
 logger = logging.getLogger(__name__)
 
-# SamplingParams' API fields; anything else makes SGLang refuse the request.
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
-    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed",
-})
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -34,6 +29,7 @@ class GenerateItem:
     ignore_eos: bool
     sampling_seed: int | None
     stream_interval: int | None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,11 +42,13 @@ class GenerateCall:
 def parse_generate(body: object, config: SimulatorConfig) -> GenerateCall:
     if not isinstance(body, dict):
         raise _bad("The request body must be a JSON object.")
+    check_contract(body)
     prompts, is_batch = _prompts(body, config)
     stream = bool(body.get("stream", False))
     if is_batch and stream:
         raise _bad("The simulator does not stream batch requests.")
     rids = _rids(body.get("rid"), len(prompts), is_batch)
+    _check_unique(rids)
     params = _sampling_list(body.get("sampling_params"), len(prompts), is_batch)
     triples = zip(rids, prompts, params, strict=True)
     items = [_item(rid, ids, sp, config) for rid, ids, sp in triples]
@@ -59,8 +57,9 @@ def parse_generate(body: object, config: SimulatorConfig) -> GenerateCall:
 
 def build_request(item: GenerateItem, config: SimulatorConfig, stream: bool,
                   dataset: str | None) -> SimRequest:
-    plan = plan_output(config, item.input_ids, item.max_new_tokens, item.sampling_seed,
-                       item.min_new_tokens, item.ignore_eos)
+    plan = plan_output(config, item.input_ids, scheduled_max_new_tokens(item, config),
+                       item.sampling_seed, item.min_new_tokens, item.ignore_eos,
+                       item.stop_token_ids)
     return SimRequest(
         rid=item.rid,
         prompt_tokens=len(item.input_ids),
@@ -71,28 +70,55 @@ def build_request(item: GenerateItem, config: SimulatorConfig, stream: bool,
     )
 
 
+def scheduled_max_new_tokens(item: GenerateItem, config: SimulatorConfig) -> int:
+    """max_new_tokens as SGLang's scheduler lowers it, silently, to fit the request:
+    ``min(max_new_tokens, max_req_len - input - 1)`` with max_req_len = max_req_input_len + 5
+    (context - 1 unless the KV pool is smaller). So input + max_new_tokens = context is
+    accepted but ends at context - input - 2 tokens, finish_reason length (measured on
+    SGLang 0.5.23: 4080 + 16 at context 4096 made 14)."""
+    room = config.max_req_input_len + 5 - len(item.input_ids) - 1
+    return max(0, min(item.max_new_tokens, room))
+
+
 def result_body(req: SimRequest, count: int, finish_reason: dict | None,
-                e2e_latency: float) -> dict:
-    """SGLang's output dict; a stream chunk has the cumulative output and finish_reason None."""
-    return {
-        "text": req.plan.text_upto(count),
-        "output_ids": req.plan.ids[:count],
-        "meta_info": {
-            "id": req.rid,
-            "finish_reason": finish_reason,
-            "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": count,
-            "cached_tokens": 0,
-            "e2e_latency": e2e_latency,
-        },
+                e2e_latency: float, streamed: bool = False, first: bool = False) -> dict:
+    """SGLang 0.5.23's output dict, with its meta_info keys in its order.
+
+    A stream chunk has the cumulative output and finish_reason None; only the finished
+    answer carries ``weight_versions`` and ``e2e_latency``, and ``response_sent_to_client_ts``
+    is on a whole answer and on a stream's first chunk only (as measured on the real server).
+    No prefix cache is modelled: ``cached_tokens`` 0, and SGLang's details are then null.
+    """
+    meta: dict = {
+        "id": req.rid,
+        "finish_reason": finish_reason,
+        "prompt_tokens": req.prompt_tokens,
+        "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": count,
+        "cached_tokens": 0,
     }
+    if finish_reason is not None:
+        meta["weight_versions"] = [{"version": "default", "start": 0, "end": count}]
+    meta["cached_tokens_details"] = None
+    meta["dp_rank"] = None
+    if finish_reason is not None:
+        meta["e2e_latency"] = e2e_latency
+    if not streamed or (first and finish_reason is None):
+        meta["response_sent_to_client_ts"] = time.time()
+    return {"text": req.plan.text_upto(count), "output_ids": req.plan.ids[:count],
+            "meta_info": meta}
 
 
 def _prompts(body: dict, config: SimulatorConfig) -> tuple[list[list[int]], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (input_ids is None):
-        raise _bad("Either text or input_ids should be provided, not both.")
-    if text is not None:
+    if text is None and input_ids is None:
+        raise _bad("Either text, input_ids or input_embeds should be provided.")
+    if input_ids is not None and not input_ids and isinstance(input_ids, list):
+        raise _bad("input_ids cannot be empty.")
+    # Given both, SGLang serves input_ids (text is not tokenized).
+    if input_ids is None:
         if isinstance(text, str):
             return [tokenize_text(text, config)], False
         if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
@@ -119,11 +145,20 @@ def _rids(rid: object, count: int, is_batch: bool) -> list[str]:
         return [uuid.uuid4().hex for _ in range(count)]
     if not is_batch and isinstance(rid, str):
         return [rid]
-    if is_batch and isinstance(rid, list) and len(rid) == count:
-        if all(isinstance(r, str) for r in rid):
+    if is_batch and isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(count)]  # SGLang's names for a batch's items
+    if is_batch and isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) == count:
             return rid
-    raise _bad("The rid should be a string for a single request and a list of strings "
-               "of the batch size for a batch request.")
+        raise _bad("The specified rids length mismatch with the batch_size for batch "
+                   "processing.")
+    raise _bad("The rid should be a string or a list of strings.")
+
+
+def _check_unique(rids: list[str]) -> None:
+    duplicates = [rid for rid, n in Counter(rids).items() if n > 1]
+    if duplicates:
+        raise _bad(f"Duplicate request IDs detected within the request: {duplicates}")
 
 
 def _sampling_list(params: object, count: int, is_batch: bool) -> list[dict]:
@@ -138,9 +173,6 @@ def _sampling_list(params: object, count: int, is_batch: bool) -> list[dict]:
 
 
 def _item(rid: str, ids: list[int], params: dict, config: SimulatorConfig) -> GenerateItem:
-    for key in params:
-        if key not in SAMPLING_KEYS:
-            raise _bad(f"SamplingParams.__init__() got an unexpected keyword argument '{key}'")
     max_new = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     min_new = params.get("min_new_tokens") or 0
     _check_values(params, max_new, min_new)
@@ -156,6 +188,7 @@ def _item(rid: str, ids: list[int], params: dict, config: SimulatorConfig) -> Ge
         ignore_eos=bool(params.get("ignore_eos") or False),
         sampling_seed=params.get("sampling_seed"),
         stream_interval=params.get("stream_interval"),
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
     )
 
 

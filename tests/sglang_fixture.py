@@ -73,6 +73,11 @@ class RealServer:
         """Those of ``rids`` the server received and has not ended."""
         return sglang_log.decoding(self.served(dataset), rids, self.disconnected())
 
+    def logged(self, event: str, rid: str) -> bool:
+        """Whether the request log has ``event`` ("request.received", "request.finished")
+        for ``rid``."""
+        return any(r.get("event") == event and r.get("rid") == rid for r in self.request_log())
+
 
 def unique_dataset(stem: str) -> str:
     """A dataset name no other test or run on the shared servers uses."""
