@@ -21,6 +21,11 @@ from datagen.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 
+# An upper bound on waiting for a child to start, not a speed expectation: every wait below
+# fails at once when the child exits, and on a loaded 2-core CI machine a worker's imports
+# alone took over a minute.
+START_TIMEOUT_S = 600.0
+
 
 class Process:
     """A child process with its own log file, killed with its whole process group."""
@@ -67,8 +72,11 @@ class Process:
 
 
 def start_simulator(log_dir: Path, args: Sequence[str] = (), name: str = "simulator",
-                    timeout_s: float = 20.0) -> tuple[Process, str]:
-    """Start ``python -m simulator`` on a free port; returns (process, base URL)."""
+                    timeout_s: float = START_TIMEOUT_S) -> tuple[Process, str]:
+    """Start ``python -m simulator`` on a free port; returns (process, base URL).
+
+    Waits for the SIMULATOR_READY line while the process lives; fails at once if it exits.
+    """
     ready = log_dir / f"{name}.ready"
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-u", "-m", "simulator", "--host", "127.0.0.1", "--port", "0",
@@ -94,9 +102,13 @@ def start_worker(queue: str, env: Mapping[str, str], log_dir: Path, name: str | 
     return Process(node.split("@")[0], argv, log_dir / f"worker-{node.split('@')[0]}.log", env)
 
 
-def wait_for_workers(redis_url: str, count: int, timeout_s: float = 60.0,
+def wait_for_workers(redis_url: str, count: int, timeout_s: float = START_TIMEOUT_S,
                      procs: Sequence[Process] = ()) -> None:
-    """Until ``count`` workers beat their heartbeat (they are then consuming)."""
+    """Until ``count`` workers beat their heartbeat (they are then consuming).
+
+    Fails at once when one of ``procs`` exits; ``timeout_s`` only bounds a start-up that
+    hangs, so pass the workers being waited for.
+    """
     client = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -107,7 +119,8 @@ def wait_for_workers(redis_url: str, count: int, timeout_s: float = 60.0,
             if not proc.alive():
                 raise RuntimeError(f"worker {proc.name} exited:\n{proc.log_text()[-3000:]}")
         time.sleep(0.1)
-    raise RuntimeError(f"{count} workers not up after {timeout_s}s")
+    logs = "".join(f"\n--- {p.name}:\n{p.log_text()[-1500:]}" for p in procs)
+    raise RuntimeError(f"{count} workers not up after {timeout_s}s{logs}")
 
 
 def child_env(settings_env: Mapping[str, str]) -> dict[str, str]:
@@ -119,5 +132,6 @@ def child_env(settings_env: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-__all__ = ["Process", "RedisServer", "child_env", "start_simulator", "start_worker",
+__all__ = ["START_TIMEOUT_S", "Process", "RedisServer", "child_env", "start_simulator",
+           "start_worker",
            "wait_for_workers"]

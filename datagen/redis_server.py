@@ -86,7 +86,8 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> RedisServer:
+    def start(self, timeout_s: float = 300.0) -> RedisServer:
+        # timeout_s bounds a hung start only: the wait fails at once when redis-server exits.
         args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.workdir), "--save", "", "--daemonize", "no",
                 "--appendonly", "yes" if self.appendonly else "no",

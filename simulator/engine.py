@@ -223,6 +223,7 @@ class Engine:
 
     def _decode(self, tick: _Tick) -> None:
         made = 0
+        steps = 0  # of the tick's steps, those some request still needed
         for req in list(self._running.values()):
             if req.ready_at > tick.end:
                 continue  # still prefilling
@@ -231,9 +232,13 @@ class Engine:
             else:
                 # Prefill ended inside this tick: its first token, then whole steps after it.
                 tokens = 1 + int((tick.end - req.ready_at) / tick.step_s)
-            made += self._advance(req, min(tokens, tick.steps))
+            advanced = self._advance(req, min(tokens, tick.steps))
+            made += advanced
+            steps = max(steps, advanced)
         if made:
             self._stats.add("tokens_generated", made)
+            self._stats.add("decode_steps", steps)
+            self._stats.add("decode_s", steps * tick.step_s)
 
     def _advance(self, req: SimRequest, tokens: int) -> int:
         old = req.decoded

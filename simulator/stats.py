@@ -17,6 +17,11 @@ class Stats:
         "requests_reset",
         "tokens_generated",
         "prompt_tokens",
+        # The engine's own clock: decode steps that produced tokens, and the simulated seconds
+        # they took (time_scale included). tokens_generated / decode_s is the throughput of the
+        # timing model, which a starved client or a late-waking engine thread cannot distort.
+        "decode_steps",
+        "decode_s",
     )
 
     def __init__(self) -> None:
@@ -27,7 +32,7 @@ class Stats:
         self._peak_running = 0
         self._peak_in_flight = 0
 
-    def add(self, name: str, amount: int = 1) -> None:
+    def add(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._counts[name] += amount
 

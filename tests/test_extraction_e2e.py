@@ -91,7 +91,7 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
 
     # When: the training set is prepared and extracted through the queue
     assert datagen(monkeypatch, stack, "prepare") == 0
-    assert datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "90") == 0
+    assert datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "900") == 0
 
     # Then: one loadable file per sample, equal to its record's ids and the contract's shapes
     records = {}
@@ -175,7 +175,7 @@ def test_sigkilled_gpu_worker_leaves_no_half_file_and_a_rerun_completes_the_set(
 
     # Then: a new worker and a second `extract` finish the set
     stack.worker("gpu")
-    code = datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "90")
+    code = datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "900")
     assert code == 3  # the bad sample is dead-lettered
 
     # with no half-written file, nothing done twice and nothing missing

@@ -12,7 +12,7 @@ from typing import Any
 import requests
 from conftest import Stack, wait_until, write_jsonl
 
-from cli.stack import REPO, Process, child_env
+from cli.stack import REPO, START_TIMEOUT_S, Process, child_env
 from datagen.generation.follower import follow
 from datagen.redis_server import free_port
 from producers.producer import Producer
@@ -32,11 +32,14 @@ def start_flower(stack: Stack, auth: str) -> str:
                    stack.tmp / "logs" / "flower.log", env)
     stack.procs.append(proc)
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _answers(url), 60, what="Flower to answer")
+    wait_until(lambda: _answers(url, proc), START_TIMEOUT_S, what="Flower to answer")
     return url
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, proc: Process) -> bool:
+    """Whether Flower answers yet; raises at once if it exited instead of starting."""
+    if not proc.alive():
+        raise RuntimeError(f"flower exited:\n{proc.log_text()[-3000:]}")
     try:
         return requests.get(f"{url}/healthcheck", timeout=2).status_code == 200
     except requests.RequestException:

@@ -47,6 +47,20 @@ def log(url: str) -> list[dict]:
     return requests.get(f"{url}/_sim/log", timeout=TIMEOUT).json()
 
 
+def stall(url: str) -> None:
+    """Make every decode step last hours: no running request ends until it is aborted.
+
+    Tests that need many requests open at once use it instead of answers "long enough",
+    which a loaded machine that is slow to send the requests outlasts.
+    """
+    fault = {"mode": "slow", "factor": 1e7}
+    assert requests.post(f"{url}/_sim/fault", json=fault, timeout=TIMEOUT).ok
+
+
+def unstall(url: str) -> None:
+    assert requests.post(f"{url}/_sim/fault", json={"mode": "none"}, timeout=TIMEOUT).ok
+
+
 def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     """Run fn in a thread; the dict gets "result" or "error" when it ends."""
     out: dict = {}
@@ -62,7 +76,8 @@ def in_background(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.005) -> None:
+def wait_until(predicate, timeout_s: float = 120.0, interval_s: float = 0.005) -> None:
+    # timeout_s only bounds a wait for an event that never comes; a loaded machine is slow.
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
