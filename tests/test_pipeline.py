@@ -141,11 +141,13 @@ def test_a_prompt_clamped_to_the_context_limit_is_accepted_by_the_server(stack: 
     ledger = stack.ledger()
     reports = Producer(settings, stack.app(), ledger).run()
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
-    # Then: every clamped request was accepted and filled the context to one token short
+    # Then: every clamped request was accepted; asked for context - prompt - 1 tokens, each got
+    # one fewer, as from SGLang 0.5.23, whose scheduler lowers a cap at the context edge to
+    # context - 2 - prompt (tests/real_sglang/test_simulator_matches_sglang.py)
     assert reports[0].clamped == 6
     assert ledger.dead("B1") == {}
     done = [r for r in iter_records(records_dir(settings.output_dir, "B1"))
             if isinstance(r, dict)]
     assert len(done) == 6
-    assert all(r["prompt_tokens"] + r["completion_tokens"] == 63 for r in done)
+    assert all(r["prompt_tokens"] + r["completion_tokens"] == 62 for r in done)
     assert not [e for e in stack.sim_log() if e["event"] == "reject"]

@@ -172,12 +172,8 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
     assert a.proc.returncode != 0
     assert (f"rank {victim} exited with -9" if sig == signal.SIGKILL else
             f"rank 0 exited with 75, rank {victim} killed by the launcher") in a.log_text()
-    # B alone does the rest: on a loaded 2-core machine that outlasted a fixed 240 s follow, so
-    # wait for the shards while B lives (its own reaper re-sends), then follow to the end
-    wait_until(lambda: len(xlm.ExtractionLedger(r).done()) == 4 or not b.alive(), 1800, 0.5,
-               what="replica B to finish the 4 shards")
-    assert b.alive(), b.log_text()[-3000:]
-    code = datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "600")
+    # B alone does the rest (on a loaded 2-core machine that outlasted a 240 s follow)
+    code = datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "1800")
     assert code == 3  # the one bad sample
     taken = [x for x in b.log_text().splitlines() if " taken by " in x]
     after = [x for x in taken if log_time(x) >= back - 0.002]  # log times are in ms
