@@ -46,6 +46,7 @@ from datagen.generation.index import encode  # noqa: E402
 from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.records import records_dir  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 
 DATASET = "B1_mem"
 WORKER_FILES = 8
@@ -55,7 +56,7 @@ GOAL_MB = 500
 
 # Run in the checkout (or, for --before, in the tree of REV: its cwd and first on sys.path).
 CHILD = """
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, os.getcwd())
 from config.settings import load_settings
 from datagen.generation.ledger import Ledger
@@ -65,9 +66,11 @@ try:
     from datagen.training.training_set import prepare
 except ImportError:  # an older layout
     from datagen.training_set import prepare
-def rss_mb():
+def rss_mb(field="VmRSS:"):
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child would report
+    # the bench's own size at the fork whenever that is larger
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
 s = load_settings()
 ledger = Ledger.from_settings(s)
@@ -84,27 +87,36 @@ elif sys.argv[1] == "merge":
     out = merge_dataset(s.output_dir, sys.argv[2], committed(sys.argv[2]))
     result = {"records": out.records, "duplicates": out.duplicates, "problems": len(out.problems)}
 else:
-    tset = prepare(s, {sys.argv[2]: committed(sys.argv[2])}, None)
+    load = None
+    if s.tokenizer_path:  # as `datagen prepare` runs: conversations decoded by the tokenizer
+        from cli.extraction import decoder
+        load = decoder(s)
+    tset = prepare(s, {sys.argv[2]: committed(sys.argv[2])}, load)
     d = tset.datasets[0]
+    conversations = None
+    if tset.conversations:
+        with open(tset.conversations, "rb") as fh:
+            conversations = sum(1 for _ in fh)
     result = {"records": tset.samples, "duplicates": d.copies, "problems": None,
-              "fingerprint": tset.fingerprint}
+              "fingerprint": tset.fingerprint, "conversations": conversations}
 result.update(seconds=time.monotonic() - t0, base_mb=base,
-              peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+              peak_mb=rss_mb("VmHWM:"))
 print(json.dumps(result))
 """
 
 
 # What a producer re-run reads of the pending hash: every payload, or the ids alone.
 PENDING_CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from config.settings import load_settings
 from datagen.generation.ledger import Ledger
 ledger = Ledger.from_settings(load_settings())
 t0 = time.monotonic()
 read = ledger.pending if sys.argv[1] == "hgetall" else ledger.pending_ids
 count = len(read(sys.argv[2]))
-print(json.dumps({"pending": count, "seconds": time.monotonic() - t0,
-                  "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+peak_mb = [int(x.split()[1]) / 1024 for x in open("/proc/self/status")
+           if x.startswith("VmHWM:")][0]  # (not ru_maxrss: see CHILD)
+print(json.dumps({"pending": count, "seconds": time.monotonic() - t0, "peak_mb": peak_mb}))
 """
 
 
@@ -126,6 +138,9 @@ def parse_args() -> argparse.Namespace:
                    help="--before only where holding the records whole takes at most this")
     p.add_argument("--pending", type=int, default=300_000,
                    help="pending samples for the HGETALL vs HKEYS read (0: skip it)")
+    p.add_argument("--no-tokenizer", dest="tokenizer", action="store_false",
+                   help="prepare without a tokenizer (no conversations; transformers and torch "
+                        "are then never loaded)")
     p.add_argument("--workdir", default=None, help="where the synthetic records go (deleted)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_memory.json"))
     return p.parse_args()
@@ -238,7 +253,7 @@ STEPS = ("rebuild", "merge", "prepare")
 
 
 def run_case(name: str, tmp: Path, n: int, ids: tuple[int, int], before: Path | None,
-             before_max_bytes: float) -> dict[str, Any]:
+             before_max_bytes: float, tokenizer: Path | None) -> dict[str, Any]:
     case_dir = tmp / name
     started = time.monotonic()
     written = write_records(case_dir / "out", n, *ids)
@@ -247,7 +262,7 @@ def run_case(name: str, tmp: Path, n: int, ids: tuple[int, int], before: Path | 
         env = dict(os.environ, DATAGEN_REDIS_URL=srv.url,
                    DATAGEN_OUTPUT_DIR=str(case_dir / "out"), DATAGEN_LOG_LEVEL="WARNING",
                    DATAGEN_TOKEN_BUDGET=str(10**15), DATAGEN_SHARD_SAMPLES="10000",
-                   PYTHONPATH="")
+                   DATAGEN_TOKENIZER_PATH=str(tokenizer or ""), PYTHONPATH="")
         now = steps(env, case_dir / "out", REPO)
         old = None
         if before and n * written["parsed_bytes"] <= before_max_bytes:
@@ -260,6 +275,8 @@ def run_case(name: str, tmp: Path, n: int, ids: tuple[int, int], before: Path | 
             want = (n, written["duplicates"], None if part == "prepare" else 1)
             if (got["records"], got["duplicates"], got["problems"]) != want:
                 raise SystemExit(f"{name}: unexpected {part} result {got} for {written}")
+    if now["prepare"]["conversations"] != (n if tokenizer else None):
+        raise SystemExit(f"{name}: {now['prepare']['conversations']} conversations for {n}")
     if old and (old["sha256"], old["prepare"]["fingerprint"], old["shards_sha256"]) != (
             now["sha256"], now["prepare"]["fingerprint"], now["shards_sha256"]):
         raise SystemExit(f"{name}: the merged file or the training set differs from {before}'s")
@@ -353,7 +370,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=args.workdir) as name:
         tmp = Path(name)
         before = before_tree(args.before, tmp / "before") if args.before else None
-        cases = [run_case(label, tmp, n, ids, before, args.before_max_gb * 1e9)
+        tokenizer = None
+        if args.tokenizer:
+            tokenizer = build_tiny_tokenizer(tmp / "tokenizer")
+        cases = [run_case(label, tmp, n, ids, before, args.before_max_gb * 1e9, tokenizer)
                  for label, n, ids in plan]
         pending = pending_reads(tmp, args.pending) if args.pending else None
     print(table(cases))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,27 +47,51 @@ def cmd_prepare(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def committed_maps(settings: Settings) -> dict[str, Committed | None]:
-    """Per dataset the ledger's committed map (its hashes: 24 bytes a sample); {} (every
-    record counts) without Redis."""
+class CommittedMaps(Mapping[str, Committed | None]):
+    """Per dataset the ledger's committed map (its hashes: 24 bytes a sample), read from
+    Redis when asked: merge and prepare take one dataset at a time, so one is held."""
+
+    def __init__(self, ledger: Ledger, datasets: list[str]):
+        self._ledger, self._datasets = ledger, datasets
+
+    def __getitem__(self, dataset: str) -> Committed | None:
+        if dataset not in self._datasets:
+            raise KeyError(dataset)
+        return self._ledger.committed_index(dataset)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._datasets)
+
+    def __len__(self) -> int:
+        return len(self._datasets)
+
+
+def committed_maps(settings: Settings) -> Mapping[str, Committed | None]:
+    """``CommittedMaps`` of the datasets on disk; {} (every record counts) without Redis."""
     try:
         ledger = _ledger(settings)
-        return {ds: ledger.committed_index(ds)
-                for ds in datasets_on_disk(settings.output_dir)}
+        ledger.r.ping()
     except redis.RedisError as exc:
         print(f"Redis not reachable ({exc}): every record on disk counts, earliest copy per id")
         return {}
+    return CommittedMaps(ledger, datasets_on_disk(settings.output_dir))
 
 
-def decoder(settings: Settings) -> Any:
+def decoder(settings: Settings) -> Callable[[], Callable[[Sequence[int]], str]] | None:
+    """What loads the tokenizer's decode for the conversations (None: no tokenizer set).
+    Loaded only when called: transformers and torch cost ~250 MB of memory."""
     path = settings.tokenizer_path or settings.model_path
     if not path:
         return None
-    from datagen.tokenization.tokenizer import ChatEncoder  # noqa: PLC0415
 
-    encoder = ChatEncoder(path, trust_remote_code=settings.trust_remote_code)
-    # special tokens (eos, role markers) are the template's, not the assistant's text
-    return lambda ids: encoder.decode(ids, skip_special_tokens=True)
+    def load() -> Callable[[Sequence[int]], str]:
+        from datagen.tokenization.tokenizer import ChatEncoder  # noqa: PLC0415
+
+        encoder = ChatEncoder(path, trust_remote_code=settings.trust_remote_code)
+        # special tokens (eos, role markers) are the template's, not the assistant's text
+        return lambda ids: encoder.decode(ids, skip_special_tokens=True)
+
+    return load
 
 
 def model_shape(model_path: str) -> tuple[int, int]:

@@ -12,8 +12,11 @@ dropped when ``keep_truncated`` is off; an id already taken by an earlier datase
 name order) is a collision and the later copy is dropped; what is left is sorted by
 (dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
 settings give byte-identical files. Only an index is held in memory, in flat columns
-(``sample_table``: dataset, offset, token counts, line digest and id, ~80 bytes a sample);
-records are read back one at a time when the shards are written.
+(``sample_table``: dataset, offset, token counts and id, ~40 bytes a sample and its id; the
+line digests wait in a temporary file); records are read back one at a time when the shards
+are written. The conversations are written in a second pass, after the index is freed: the
+tokenizer that decodes them brings transformers and torch (~250 MB), and the two never share
+the memory.
 
 Extraction names its output files by ``idx`` and resumes by (dataset, id), so a training set
 must not change under a started extraction: ``prepare`` refuses when the new set differs from
@@ -25,8 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import struct
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
@@ -59,6 +64,8 @@ CONVERSATIONS_NAME = "conversations.jsonl"
 MANIFEST_VERSION = 1
 
 Decode = Callable[[Sequence[int]], str]
+LoadDecode = Callable[[], Decode]  # loads the tokenizer, returns its decode
+PLACE = struct.Struct("<HQ")  # a written sample's (dataset number, offset), for the second pass
 
 
 class TrainingSetChanged(PermanentError):
@@ -119,28 +126,35 @@ class TrainingSet:
 
 def prepare(settings: Settings,
             committed: Mapping[str, Mapping[str, str] | Committed | None],
-            decode: Decode | None, force: bool = False) -> TrainingSet:
+            load_decode: LoadDecode | None, force: bool = False) -> TrainingSet:
     """Merge, filter, deduplicate, shuffle and write the shards, conversations and manifest.
 
     ``committed``: per dataset the ledger's done map (None when Redis is not reachable: every
-    record on disk counts). ``decode``: token ids -> text, or None to skip conversations."""
+    record on disk counts), asked for one dataset at a time. ``load_decode``: loads the
+    tokenizer and returns its token ids -> text, called once the shards are written; None
+    skips the conversations."""
     out = Path(settings.output_dir)
-    counts, table, collisions = _index(settings, committed)
-    order = _shuffled(table, settings.shuffle_seed)
-    tset = TrainingSet(counts, collisions, fingerprint=_fingerprint(table, order, settings))
     folder = training_dir(out)
-    _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
-    tset.directory = str(folder)
-    rows_path, conversations_path = folder / handoff.ONLINE_ROWS_NAME, folder / CONVERSATIONS_NAME
-    # One read of each record writes its shard line, its online row and its conversation, and
-    # counts what the length rule does to it.
-    with (_Reader(out) as reader, atomic_file(rows_path) as rows,
-          atomic_file(conversations_path) if decode else nullcontext() as conversations):
-        besides = _Besides(settings, tset.lengths, rows, conversations, decode)
-        tset.shards = _write_shards(out, table, order, settings.shard_samples, reader, besides)
-    tset.online_rows = str(rows_path)
-    if decode is not None:
-        tset.conversations = str(conversations_path)
+    tset = TrainingSet([], [], directory=str(folder))
+    rows_path = folder / handoff.ONLINE_ROWS_NAME
+    with (_index(settings, committed, folder) as (counts, table, collisions),
+          tempfile.TemporaryFile(prefix=".places-", dir=folder) as places):
+        tset.datasets, tset.collisions = counts, collisions
+        order = _shuffled(table, settings.shuffle_seed)
+        tset.fingerprint = _fingerprint(table, order, settings)
+        _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
+        # One read of each record writes its shard line and its online row, and counts what
+        # the length rule does to it; where it was is kept for the conversations' pass.
+        with _Reader(out) as reader, atomic_file(rows_path) as rows:
+            besides = _Besides(settings, tset.lengths, rows, places, table.datasets)
+            tset.shards = _write_shards(out, table, order, settings.shard_samples, reader,
+                                        besides)
+        tset.online_rows = str(rows_path)
+        del order
+        names = table.datasets
+        table.free()
+        if load_decode is not None:
+            tset.conversations = str(_write_conversations(out, names, places, load_decode()))
     _write_manifest(folder, tset, settings)
     return tset
 
@@ -148,13 +162,16 @@ def prepare(settings: Settings,
 @dataclass
 class _Besides:
     """What a record gives besides its shard line, from the same read: the length rule's
-    count, the online row and the conversation (with a decoder)."""
+    count, the online row, and where the record is (for the conversations' pass)."""
 
     settings: Settings
     lengths: dict[str, handoff.LengthCount]
     rows: TextIO
-    conversations: TextIO | None
-    decode: Decode | None
+    places: BinaryIO
+    datasets: list[str]
+
+    def __post_init__(self) -> None:
+        self._number = {name: i for i, name in enumerate(self.datasets)}
 
     def __call__(self, entry: Entry, record: dict[str, Any]) -> None:
         limit, overlong = self.settings.train_max_length, self.settings.extract_overlong
@@ -164,45 +181,60 @@ class _Besides:
             spans)
         if row := handoff.online_row(record, limit, overlong, spans):
             self.rows.write(row)
-        if self.conversations is not None and self.decode is not None:
-            self.conversations.write(_conversation_line(record, self.decode))
+        self.places.write(PLACE.pack(self._number[entry.dataset], entry.offset))
 
 
-def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Committed | None]
-           ) -> tuple[list[DatasetCount], SampleTable, list[tuple[str, str, str]]]:
+def _write_conversations(out: Path, datasets: list[str], places: BinaryIO,
+                         decode: Decode) -> Path:
+    """conversations.jsonl in shard order: each record read again where the shard pass
+    found it."""
+    path = training_dir(out) / CONVERSATIONS_NAME
+    places.flush()
+    places.seek(0)
+    with _Reader(out) as reader, atomic_file(path) as conversations:
+        while chunk := places.read(PLACE.size * 65_536):
+            for number, offset in PLACE.iter_unpack(chunk):
+                record = reader.read(datasets[number], offset)
+                conversations.write(_conversation_line(record, decode))
+    return path
+
+
+@contextmanager
+def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Committed | None],
+           spill_dir: Path
+           ) -> Iterator[tuple[list[DatasetCount], SampleTable, list[tuple[str, str, str]]]]:
     counts: list[DatasetCount] = []
-    table = SampleTable()
-    for number, dataset in enumerate(datasets_on_disk(settings.output_dir)):
-        merged = merge_dataset(settings.output_dir, dataset, committed.get(dataset))
-        count = DatasetCount(dataset, records=merged.records, uncommitted=merged.uncommitted,
-                             copies=merged.duplicates)
-        table.datasets.append(dataset)
-        for offset, record in _scan(merged_path(settings.output_dir, dataset)):
-            entry = _admit(record, offset, count, settings.keep_truncated)
-            if entry is None:
-                continue
-            count.samples += 1
-            count.prompt_tokens += entry.prompt_tokens
-            count.output_tokens += entry.output_tokens
-            table.add(number, entry)
-        counts.append(count)
-    collisions = drop_collisions(table, counts)
-    return counts, table, collisions
+    with SampleTable(spill_dir) as table:
+        for number, dataset in enumerate(datasets_on_disk(settings.output_dir)):
+            merged = merge_dataset(settings.output_dir, dataset, committed.get(dataset))
+            count = DatasetCount(dataset, records=merged.records,
+                                 uncommitted=merged.uncommitted, copies=merged.duplicates)
+            table.datasets.append(dataset)
+            for offset, (record, digest) in _scan(merged_path(settings.output_dir, dataset)):
+                entry = _admit(record, offset, count, settings.keep_truncated)
+                if entry is None:
+                    continue
+                count.samples += 1
+                count.prompt_tokens += entry.prompt_tokens
+                count.output_tokens += entry.output_tokens
+                table.add(number, entry, digest)
+            counts.append(count)
+        collisions = drop_collisions(table, counts)
+        yield counts, table, collisions
 
 
-def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], str]]]:
+def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], bytes]]]:
     """(byte offset, (record, sha256 of its line)) of every record of a merged file."""
     with open(path, "rb") as fh:
         offset = 0
         for raw in fh:
             if raw.strip():
-                yield offset, (json.loads(raw), hashlib.sha256(raw).hexdigest())
+                yield offset, (json.loads(raw), hashlib.sha256(raw).digest())
             offset += len(raw)
 
 
-def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
+def _admit(record: dict[str, Any], offset: int, count: DatasetCount,
            keep_truncated: bool) -> Entry | None:
-    record, digest = item
     if not is_current(record):
         count.no_ids += 1
         return None
@@ -213,14 +245,14 @@ def _admit(item: tuple[dict[str, Any], str], offset: int, count: DatasetCount,
         count.empty += 1
         return None
     return Entry(count.dataset, str(record["id"]), offset, len(record["prompt_ids"]),
-                 len(record["output_ids"]), digest)
+                 len(record["output_ids"]))
 
 
 def _shuffled(table: SampleTable, seed: int) -> np.ndarray:
     """The kept rows sorted by (dataset, id), then shuffled as ``random.Random(seed).shuffle``
     shuffles a list of them."""
     # sorted first: the order does not depend on merge order or on the datasets' listing
-    rows = id_order(frozen(table.dataset, np.uint32).astype(np.int64), table.ids, table.kept)
+    rows = id_order(frozen(table.dataset, np.uint16).astype(np.int64), table.ids, table.kept)
     return rows[shuffle_order(len(rows), seed)]
 
 
@@ -229,7 +261,7 @@ def _fingerprint(table: SampleTable, order: np.ndarray, settings: Settings) -> s
     names = [name.encode() for name in table.datasets]
     for row in each(order):
         h.update(b"%s\t%s\t%s\n" % (names[table.dataset[row]], table.ids.raw(row),
-                                     table.digests[32 * row:32 * row + 32].hex().encode()))
+                                     table.digest(row).hex().encode()))
     return h.hexdigest()
 
 
@@ -255,12 +287,12 @@ class _Reader:
         self.output_dir = output_dir
         self._files: dict[str, BinaryIO] = {}
 
-    def read(self, entry: Entry) -> dict[str, Any]:
-        fh = self._files.get(entry.dataset)
+    def read(self, dataset: str, offset: int) -> dict[str, Any]:
+        fh = self._files.get(dataset)
         if fh is None:
-            fh = self._files[entry.dataset] = open(  # noqa: SIM115 (closed in __exit__)
-                merged_path(self.output_dir, entry.dataset), "rb")
-        fh.seek(entry.offset)
+            fh = self._files[dataset] = open(  # noqa: SIM115 (closed in __exit__)
+                merged_path(self.output_dir, dataset), "rb")
+        fh.seek(offset)
         return json.loads(fh.readline())
 
     def __enter__(self) -> _Reader:
@@ -295,7 +327,7 @@ def _write_shards(out: Path, table: SampleTable, order: np.ndarray, per_shard: i
 
 def _read(reader: _Reader, entry: Entry, besides: Callable[[Entry, dict[str, Any]], None]
           ) -> dict[str, Any]:
-    record = reader.read(entry)
+    record = reader.read(entry.dataset, entry.offset)
     besides(entry, record)
     return record
 

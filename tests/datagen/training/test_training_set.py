@@ -3,6 +3,7 @@ conversations decoded from the output ids. Records are written as workers write 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -136,12 +137,57 @@ def test_conversations_are_the_history_plus_the_decoded_response(tmp_path, encod
     write_records(out, "B1", [rec])
 
     tset = prepare(settings_for(out), {},
-                   lambda x: encoder.decode(x, skip_special_tokens=True))
+                   lambda: lambda x: encoder.decode(x, skip_special_tokens=True))
 
     lines = Path(tset.conversations).read_text().splitlines()
     assert [json.loads(x) for x in lines] == [{"id": "c1", "conversations": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": text}]}]
+
+
+def test_the_fingerprint_is_the_shuffled_rows_with_the_sha256_of_their_lines(tmp_path):
+    # The line digests wait on disk during prepare, not in memory: the fingerprint must
+    # still be the documented one, so a set prepared before is recognised as the same.
+    out = tmp_path / "out"
+    write_records(out, "B1", some_records(5, "B1"))
+    write_records(out, "A1", some_records(3, "A1"))
+
+    tset = prepare(settings_for(out), {}, None)
+
+    digest = {}
+    for ds in ("A1", "B1"):
+        for raw in merged_path(out, ds).read_bytes().splitlines(keepends=True):
+            digest[(ds, json.loads(raw)["id"])] = hashlib.sha256(raw).hexdigest()
+    want = hashlib.sha256(b"v1 shard_samples=4\n")
+    for row in shard_lines(out):
+        want.update(f"{row['dataset']}\t{row['id']}\t{digest[row['dataset'], row['id']]}\n"
+                    .encode())
+    assert tset.fingerprint == want.hexdigest()
+    assert read_manifest(training_dir(out))["fingerprint"] == want.hexdigest()
+    # the temporary files (digests, places) are gone
+    assert sorted(p.name for p in training_dir(out).iterdir() if p.name.startswith(".")) == []
+
+
+def test_the_tokenizer_is_loaded_after_the_shards_are_written(tmp_path, encoder):
+    # The index is freed before the decoder loads (transformers and torch: ~250 MB), so the
+    # two never add up; the conversations come out in shard order all the same.
+    out = tmp_path / "out"
+    write_records(out, "B1", some_records(6, "B1"))
+    write_records(out, "A1", some_records(5, "A1"))
+    seen: list[int] = []
+
+    def load():
+        seen.append(len(list((training_dir(out) / "shards").glob("shard_*.jsonl"))))
+        return lambda ids: encoder.decode(ids, skip_special_tokens=True)
+
+    tset = prepare(settings_for(out), {}, load)
+
+    assert seen == [3]  # once, with the 11 samples' 3 shards of 4 already on disk
+    conversations = [json.loads(x) for x in Path(tset.conversations).read_text().splitlines()]
+    shards = shard_lines(out)
+    assert [c["id"] for c in conversations] == [row["id"] for row in shards]
+    assert [c["conversations"][-1]["content"] for c in conversations] == [
+        encoder.decode(row["output_ids"], skip_special_tokens=True) for row in shards]
 
 
 def test_a_changed_set_is_refused_once_extraction_started(tmp_path):
@@ -187,3 +233,34 @@ def test_the_length_report_agrees_with_the_online_rows_for_several_turns(tmp_pat
     kept = next(r for r in rows if r["id"] == "B1-multi")
     assert len(kept["input_ids"]) == 9 and sum(kept["loss_mask"]) == 5
     assert tset.lengths["B1"].dropped == 0 and tset.lengths["B1"].cut == 1
+
+
+def test_the_ledger_s_done_maps_are_read_one_dataset_at_a_time(tmp_path, redis_url):
+    # `datagen prepare` reads each dataset's done map when that dataset is merged, so one map
+    # is held at a time (24 bytes a sample of one dataset), not every dataset's at once.
+    from cli.extraction import CommittedMaps, committed_maps
+    from datagen import keys
+    from datagen.generation.ledger import Ledger
+
+    out = tmp_path / "out"
+    for ds in ("A1", "B1"):
+        write_records(out, ds, some_records(3, ds))
+    settings = settings_for(out, redis_url=redis_url)
+    ledger = Ledger.from_settings(settings)
+    for ds in ("A1", "B1"):
+        ledger.r.hset(keys.dataset_key(ds, keys.DONE), f"{ds}-1", f"rid-{ds}-{ds}-1 3")
+    maps = committed_maps(settings)
+    assert isinstance(maps, CommittedMaps) and sorted(maps) == ["A1", "B1"]
+    read: list[tuple[str, list[str]]] = []
+    real = ledger.committed_index
+
+    def index(dataset: str) -> Any:
+        read.append((dataset, sorted(p.parent.name for p in out.glob("*/raw_responses.jsonl"))))
+        return real(dataset)
+
+    maps._ledger.committed_index = index  # type: ignore[attr-defined]
+
+    prepare(settings, maps, None)
+
+    assert read == [("A1", []), ("B1", ["A1"])]  # each when its merge starts
+    assert sorted(x["id"] for x in shard_lines(out)) == ["A1-1", "B1-1"]
