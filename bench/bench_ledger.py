@@ -42,7 +42,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from statistics import median
+from typing import Any, NamedTuple
 
 import redis
 
@@ -57,8 +58,8 @@ from datagen.client import SGLangClient  # noqa: E402
 from datagen.generation.admission import (  # noqa: E402
     BUCKET_COUNT,
     bucket_field,
+    encode_model,
     length_model,
-    stored,
 )
 from datagen.generation.job import Job, PromptStore  # noqa: E402
 from datagen.generation.lease import LeaseBook  # noqa: E402
@@ -86,6 +87,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=600, help="part 2: samples generated")
     p.add_argument("--threads", type=int, default=48)
     p.add_argument("--system", action="store_true", help="part 2 through a Celery worker too")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times the cap cases run (alternating with --before's)")
+    p.add_argument("--parts", default="server,caps,traffic",
+                   help="comma list of server (per-call cost against --old), caps (one cap "
+                        "against distinct caps, against --before), traffic (per sample)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_ledger.json"))
     return p.parse_args()
 
@@ -112,8 +118,43 @@ def distinct_caps(i: int, n: int) -> int:
     return 240 + i * 10000 // max(1, n)
 
 
+class Layout(NamedTuple):
+    """How a tree's scripts keep the buckets and read the model (its admission.py), to
+    write state directly."""
+
+    bucket_field: Any
+    bucket_count: int
+    encode_model: Any  # model -> what the ledger SETs
+
+
+THIS_LAYOUT = Layout(bucket_field, BUCKET_COUNT, encode_model)
+
+
+def layout_of(rev: str) -> Layout:
+    """REV's admission.py, loaded from git: its bucket_field, BUCKET_COUNT and the model's
+    encoding (JSON of ``stored`` before ``encode_model``)."""
+    source = subprocess.run(["git", "show", f"{rev}:datagen/generation/admission.py"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout
+    space: dict[str, Any] = {"__name__": f"admission_at_{rev}"}
+    exec(compile(source, f"{rev}:datagen/generation/admission.py", "exec"), space)  # noqa: S102
+    encode = space.get("encode_model") or (lambda m: json.dumps(space["stored"](m)))
+    return Layout(space["bucket_field"], space["BUCKET_COUNT"], encode)
+
+
+class BeforeLedger(Ledger):
+    """This tree's ledger with --before's scripts: it writes the model as they read it."""
+
+    encode_model: Any = staticmethod(encode_model)
+
+    def refresh_model(self, dataset: str) -> dict[str, Any] | None:
+        model = super().refresh_model(dataset)
+        if model is not None:
+            self.r.set(self.k(dataset, keys.MODEL), self.encode_model(model))
+        return model
+
+
 def new_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float, cap_of: Any = two_caps,
-              own_duration: bool = False) -> None:
+              own_duration: bool = False, layout: Layout = THIS_LAYOUT) -> None:
     """n in-flight entries the way admit.lua writes them, starts spread over spread_s (or
     over each one's expected duration, cap / RATE, when that is shorter and own_duration)."""
     sec, usec = r.time()
@@ -127,11 +168,11 @@ def new_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float, cap_of: A
         for i, cap in enumerate(caps):
             age = min(spread_s, cap / RATE) if own_duration else spread_s
             start = now - rng.uniform(0, age)
-            bucket = bucket_field(start, cap, cap_max, RATE)
+            bucket = layout.bucket_field(start, cap, cap_max, RATE)
             pipe.hset(k(DS, keys.INFLIGHT), f"f{i}", json.dumps(
                 {"rid": f"rf{i}", "worker": "w", "server": "s", "start": start,
                  "max_new_tokens": cap, "prompt_tokens": 900, "b": bucket}))
-            pipe.hincrby(k(DS, keys.BUCKETS), bucket, cap * BUCKET_COUNT + 1)
+            pipe.hincrby(k(DS, keys.BUCKETS), bucket, cap * layout.bucket_count + 1)
             pipe.hincrby(k(DS, keys.BUCKETS), "_prompt", 900)
             pipe.zadd(k(DS, keys.LEASES), {f"f{i}": now + 600})
         pipe.execute()
@@ -158,7 +199,7 @@ def old_state(r: redis.Redis, ledger: Ledger, n: int, spread_s: float) -> None:
 
 def install_model(r: redis.Redis, ledger: Ledger) -> None:
     model = length_model(lognormal(4096), RATE * 1000, 1000.0, [3000.0] * 150, 16384)
-    r.set(ledger.k(DS, keys.MODEL), json.dumps(stored(model)))
+    r.set(ledger.k(DS, keys.MODEL), encode_model(model))
     r.hset(keys.BUDGETS, DS, 10**12)
 
 
@@ -185,16 +226,17 @@ def one_cap(i: int, n: int) -> int:
 
 
 def measure_caps(r: redis.Redis, ledger: Ledger, n: int, caps: str, fill: str,
-                 model: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+                 model: dict[str, Any], args: argparse.Namespace,
+                 layout: Layout = THIS_LAYOUT) -> dict[str, Any]:
     """Admit admitted, admit refused (the sample is parked), commit while samples are parked
     (it computes how many fit, and finds none)."""
     cap_of = distinct_caps if caps == "distinct" else one_cap
-    r.set(ledger.k(DS, keys.MODEL), json.dumps(model))
+    r.set(ledger.k(DS, keys.MODEL), layout.encode_model(model))
     r.hset(keys.BUDGETS, DS, 10**12)
     if fill == "admitted now":
         admitted_state(ledger, n, cap_of)
     else:
-        new_state(r, ledger, n, args.spread_s, cap_of, fill == "own duration")
+        new_state(r, ledger, n, args.spread_s, cap_of, fill == "own duration", layout)
     fields = r.hlen(ledger.k(DS, keys.BUCKETS)) - 1  # less "_prompt"
     r.config_resetstat()
     for i in range(args.calls):
@@ -289,28 +331,30 @@ def part1(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
 
 
 def part1_caps(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
-    """One cap against every cap distinct, this tree's scripts, then --before's on the
-    fill both can write (through Ledger.admit), alternating, on one Redis."""
+    """One cap against every cap distinct, this tree's scripts, then --before's (its scripts
+    and its bucket layout) on the same fill, alternating, on one Redis, --rounds times."""
     rows = []
     model = length_model(lognormal(4096), RATE * 1000, 1000.0, [3000.0] * 150, 16384)
     with RedisServer(workdir=tmp / "redis1c") as srv:
         r = redis.Redis.from_url(srv.url)
         ledger = Ledger(connect(srv.url), Settings(redis_url=srv.url))
-        before = None
+        runs = [("this tree", ledger, THIS_LAYOUT)]
         if args.before:
-            before = Ledger(connect(srv.url), Settings(redis_url=srv.url))
+            layout = layout_of(args.before)
+            before = BeforeLedger(connect(srv.url), Settings(redis_url=srv.url))
             before._scripts = scripts_of(before.r, args.before)
+            before.encode_model = layout.encode_model
+            runs.append((f"before ({args.before})", before, layout))
         cases = [(n, caps, fill) for n in (int(x) for x in args.in_flight.split(",")) if n
                  for caps in ("one cap", "distinct") for fill in FILLS]
-        for n, caps, fill in cases:
-            runs = [("this tree", ledger, stored(model))]
-            if before is not None and fill == "admitted now":
-                runs.append((f"before ({args.before})", before, model))
-            for code, led, written in runs:
-                r.flushall()
-                led.mark_run()
-                rows.append({"code": code, **measure_caps(r, led, n, caps, fill, written, args)})
-                print(rows[-1], flush=True)
+        for round_ in range(args.rounds):
+            for n, caps, fill in cases:
+                for code, led, layout in runs:
+                    r.flushall()
+                    led.mark_run()
+                    rows.append({"code": code, "round": round_,
+                                 **measure_caps(r, led, n, caps, fill, model, args, layout)})
+                    print(rows[-1], flush=True)
     return rows
 
 
@@ -464,9 +508,10 @@ def main() -> int:
         tmp = Path(name)
         tokenizer = build_tiny_tokenizer(tmp / "tok")
         encoder = ChatEncoder(tokenizer)
-        rows = part1(args, tmp)
-        distinct = part1_caps(args, tmp)
-        traffic = part2(args, tmp, tokenizer, encoder)
+        parts = set(args.parts.split(","))
+        rows = part1(args, tmp) if "server" in parts else []
+        distinct = part1_caps(args, tmp) if "caps" in parts else []
+        traffic = part2(args, tmp, tokenizer, encoder) if "traffic" in parts else None
         whole = system(args, tmp, tokenizer, encoder) if args.system else None
     print_tables(rows, distinct, traffic, whole)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -488,12 +533,10 @@ def print_tables(rows: list[dict[str, Any]], distinct: list[dict[str, Any]],
         print(f"| {r['in_flight']:,} | {r['buckets']} | {r['admit_us']:.0f} | "
               f"{r['commit_us']:.0f} | {r.get('old_admit_us', float('nan')):.0f} | "
               f"{r.get('old_commit_us', float('nan')):.0f} |")
-    print("\none cap against every cap distinct:\n| scripts | in flight | caps | starts | "
-          "bucket fields | admit µs | admit refused µs | commit with parked µs |")
-    print("|---|---:|---|---|---:|---:|---:|---:|")
-    for r in distinct:
-        print(f"| {r['code']} | {r['in_flight']:,} | {r['caps']} | {r['fill']} | {r['fields']} "
-              f"| {r['admit_us']:.0f} | {r['refused_us']:.0f} | {r['parked_commit_us']:.0f} |")
+    if distinct:
+        print_caps(distinct)
+    if traffic is None:
+        return
     print(f"\nper generated sample (datagen's own traffic, {traffic['samples']} samples): "
           f"{traffic['commands_per_sample']:.2f} commands in "
           f"{traffic['round_trips_per_sample']:.2f} round trips "
@@ -503,6 +546,28 @@ def print_tables(rows: list[dict[str, Any]], distinct: list[dict[str, Any]],
         print(f"whole system through Celery ({whole['samples']} samples): "
               f"{whole['client_reads_per_sample']:.1f} client reads per sample, "
               f"{whole['commands_per_sample_incl_lua']:.1f} commands incl. script internals")
+
+
+def print_caps(distinct: list[dict[str, Any]]) -> None:
+    """One row per (scripts, in flight, caps, fill): the median over the rounds, and the
+    range when there was more than one."""
+    print("\none cap against every cap distinct (median of the rounds, range):\n| scripts | "
+          "in flight | caps | starts | bucket fields | admit µs | admit refused µs | "
+          "commit with parked µs |")
+    print("|---|---:|---|---|---:|---:|---:|---:|")
+    cases: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in distinct:
+        cases.setdefault((r["in_flight"], r["caps"], r["fill"], r["code"]), []).append(r)
+
+    def cell(runs: list[dict[str, Any]], name: str) -> str:
+        values = [r[name] for r in runs]
+        spread = f" ({min(values):.0f}-{max(values):.0f})" if len(values) > 1 else ""
+        return f"{median(values):.0f}{spread}"
+
+    for (n, caps, fill, code), runs in cases.items():
+        print(f"| {code} | {n:,} | {caps} | {fill} | {runs[0]['fields']} | "
+              f"{cell(runs, 'admit_us')} | {cell(runs, 'refused_us')} | "
+              f"{cell(runs, 'parked_commit_us')} |")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ PENDING = "pending"
 # requests in flight (start in Redis time; b = the BUCKETS field the entry is counted in).
 INFLIGHT = "inflight"
 # HASH "<start bucket * 64 + cap class>" -> "<sum of their caps * 2^24 + requests in flight>"
-# (a cap class is an octave of max_new_tokens), "_prompt" -> their prompt tokens: what
+# (a cap class is a double octave of max_new_tokens), "_prompt" -> their prompt tokens: what
 # admission reads, so its cost grows with buckets, not requests nor caps (lua/_lib.lua).
 BUCKETS = "buckets"
 # ZSET sample id -> lease deadline (Redis time, s) of its in-flight entry, renewed by the

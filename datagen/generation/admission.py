@@ -16,6 +16,7 @@ worst-case rule (every request at its cap) as a floor: whatever fits at the caps
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -93,11 +94,36 @@ def length_model(lengths: list[int], decoded: float, decode_s: float,
 
 def stored(model: dict[str, Any]) -> dict[str, Any]:
     """The model as admission reads it: the means and variances rounded up to whole
-    tokens. Every admit decodes it (cjson, in Lua); whole numbers halve that (26 against
-    42 µs for 130 points), and rounding up only ever reserves more, under a token each."""
+    tokens (rounding up only ever reserves more, under a token each; it made the JSON the
+    model was stored as before ``encode_model`` 40% cheaper to decode)."""
     whole = {k: math.ceil(model[k]) for k in ("mean", "var", "tail")}
     return {**model, **whole, "m": [math.ceil(x) for x in model["m"]],
             "v": [math.ceil(x) for x in model["v"]]}
+
+
+def encode_model(model: dict[str, Any]) -> bytes:
+    """``stored(model)`` as MessagePack, every number a double: what lua/_lib.lua's
+    read_model decodes on every admit, about twice as fast as the same model in JSON
+    (cmsgpack reads 8 bytes a number, cjson parses text)."""
+    return _msgpack(stored(model))
+
+
+def _msgpack(value: Any) -> bytes:
+    """The MessagePack of a model: maps of short str keys, lists, and numbers (as float 64,
+    exact for integers below 2^53)."""
+    if isinstance(value, Mapping):
+        out = [b"\xde" + struct.pack(">H", len(value))]
+        for key, item in value.items():
+            name = key.encode()
+            if len(name) > 31:
+                raise ValueError(f"model key {key!r} is longer than a fixstr")
+            out += [bytes([0xA0 | len(name)]), name, _msgpack(item)]
+        return b"".join(out)
+    if isinstance(value, list | tuple):
+        return b"\xdd" + struct.pack(">I", len(value)) + b"".join(map(_msgpack, value))
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return b"\xcb" + struct.pack(">d", value)
+    raise TypeError(f"a model holds numbers, lists and maps, not {type(value).__name__}")
 
 
 def _kaplan_meier(events: list[int], censored: list[float]
@@ -141,8 +167,8 @@ class Bucket(NamedTuple):
 
 
 def cap_class(cap: int) -> int:
-    """lua/_lib.lua's cap_class: the octave of max_new_tokens."""
-    return min(CAP_CLASSES - 1, max(1, cap).bit_length() - 1)
+    """lua/_lib.lua's cap_class: the double octave of max_new_tokens ([4^k, 4^(k + 1)))."""
+    return min(CAP_CLASSES - 1, (max(1, cap).bit_length() - 1) // 2)
 
 
 def bucket_field(now: float, cap: int, cap_max: int, rate: float) -> str:

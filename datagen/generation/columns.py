@@ -44,18 +44,19 @@ class Ids:
         """Bytes [step*CHUNK, (step+1)*CHUNK) of each row's id, zero-padded (as S8), and how
         many of them the id has (0..CHUNK)."""
         ends = np.frombuffer(self.ends, dtype=np.uint64)
-        starts = np.where(rows > 0, ends[np.maximum(rows - 1, 0)], 0).astype(np.int64)
-        starts[rows == 0] = 0
-        starts += step * CHUNK
-        have = np.clip(ends[rows].astype(np.int64) - starts, 0, CHUNK).astype(np.uint8)
         buf = np.frombuffer(self.buf, dtype=np.uint8) if self.buf else np.zeros(1, np.uint8)
         out = np.zeros((len(rows), CHUNK), dtype=np.uint8)
+        have = np.zeros(len(rows), dtype=np.uint8)
         cols = np.arange(CHUNK)
+        # a slice of rows at a time: the temporaries stay _ROWS_PER_GATHER rows long
         for a in range(0, len(rows), _ROWS_PER_GATHER):
-            b = min(a + _ROWS_PER_GATHER, len(rows))
-            at = starts[a:b, None] + cols
-            valid = cols < have[a:b, None]
-            out[a:b] = np.where(valid, buf[np.minimum(at, len(buf) - 1)], 0)
+            some = rows[a:a + _ROWS_PER_GATHER]
+            starts = np.where(some > 0, ends[np.maximum(some - 1, 0)], 0).astype(np.int64)
+            starts += step * CHUNK
+            have[a:a + len(some)] = np.clip(ends[some].astype(np.int64) - starts, 0, CHUNK)
+            at = starts[:, None] + cols
+            valid = cols < have[a:a + len(some), None]
+            out[a:a + len(some)] = np.where(valid, buf[np.minimum(at, len(buf) - 1)], 0)
         return out.view(f"S{CHUNK}").ravel(), have
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Mapping
 from hashlib import blake2b
+from itertools import islice
 
 import numpy as np
 
 SCAN_COUNT = 10_000  # fields per HSCAN reply when read from Redis
+LOOKUP_BATCH = 65_536  # sids hashed and looked up at once by ``contains_all``
 
 
 def sid_digest(sid: str) -> bytes:
@@ -69,14 +71,15 @@ class Committed:
         return isinstance(rid, str) and at >= 0 and rid_digest(rid) == int(self._rids[at])
 
     def contains_all(self, sids: Iterable[str]) -> np.ndarray:
-        """``sid in self`` for each of ``sids``, as a bool array."""
-        wanted = bytearray()
-        for sid in sids:
-            wanted += sid_digest(sid)
-        if not wanted:
-            return np.zeros(0, dtype=bool)
-        q = np.frombuffer(wanted, dtype="S16")
-        if not len(self._keys):
-            return np.zeros(len(q), dtype=bool)
-        at = np.minimum(np.searchsorted(self._keys, q), len(self._keys) - 1)
-        return self._keys[at] == q
+        """``sid in self`` for each of ``sids``, as a bool array (1 byte a sid: the hashes
+        are looked up LOOKUP_BATCH at a time)."""
+        found = [np.zeros(0, dtype=bool)]
+        it = iter(sids)
+        while batch := list(islice(it, LOOKUP_BATCH)):
+            q = np.frombuffer(b"".join(map(sid_digest, batch)), dtype="S16")
+            if not len(self._keys):
+                found.append(np.zeros(len(q), dtype=bool))
+                continue
+            at = np.minimum(np.searchsorted(self._keys, q), len(self._keys) - 1)
+            found.append(self._keys[at] == q)
+        return np.concatenate(found)

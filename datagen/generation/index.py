@@ -104,7 +104,7 @@ class RecordIndex:
     files: list[str] = field(default_factory=list)
     file: array = field(default_factory=lambda: array("I"))
     offset: array = field(default_factory=lambda: array("Q"))
-    size: array = field(default_factory=lambda: array("Q"))
+    size: array = field(default_factory=lambda: array("I"))  # bytes of the line (< 4 GiB)
     key: array = field(default_factory=lambda: array("q"))  # hash(sample id), this process's
     problems: list[Problem] = field(default_factory=list)
     # --

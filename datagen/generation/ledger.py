@@ -29,9 +29,9 @@ from datagen.generation.admission import (
     PRIOR_TOKENS_PER_S,
     Bucket,
     censored_progress,
+    encode_model,
     length_model,
     read_buckets,
-    stored,
 )
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ class Ledger:
                              int(stats.get("cap", 0)) or None,
                              self.settings.admission_min_responses)
         if model is not None:
-            self.r.set(self.k(dataset, keys.MODEL), json.dumps(stored(model)))
+            self.r.set(self.k(dataset, keys.MODEL), encode_model(model))
         return model
 
     # -- pending work, dead letters, closing ----------------------------------------

@@ -55,6 +55,7 @@ def merge_dataset(output_dir: str | Path, dataset: str,
         counted = done.contains_all(ix.ids.get(row) for row in each(rows))
         report.uncommitted = int(len(rows) - counted.sum())
         rows = rows[counted]
+    del committed, done  # 24 bytes a sample, not needed for the sort (when the caller let go)
     time = frozen(ix.time, np.float64)
     _check_times(ix, rows, time)
     rows = id_order(time, ix.ids, rows)  # by (time, id)

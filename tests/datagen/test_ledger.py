@@ -19,6 +19,7 @@ from datagen.generation.admission import (
     PRIOR_TOKENS_PER_S,
     Bucket,
     bucket_field,
+    encode_model,
     stored,
 )
 from datagen.generation.ledger import Ledger, connect, length_model
@@ -376,13 +377,14 @@ def test_buckets_stay_bounded_when_every_request_has_its_own_cap(redis_url: str)
     caps = [8 + 8 * i for i in range(2000)]
     for i, cap in enumerate(caps):
         assert led.admit("A", f"s{i}", f"r{i}", "w", 5, cap).status == "ok"
-    # Then: admission reads a bucket per (start, cap octave), not one per request: the starts
-    # are those of a grid of the largest cap's duration / 32 (16,000 / 50 tok/s / 32 = 10 s)
+    # Then: admission reads a bucket per (start, cap class: [4^k, 4^(k+1))), not one per
+    # request: the starts are those of a grid of the largest cap's duration / 32 (16,000 / 50
+    # tok/s / 32 = 10 s)
     starts = [e["start"] for e in led.in_flight("A").values()]
     grid = 1 + (max(starts) - min(starts)) // 10 + 1
-    octaves = len({cap.bit_length() for cap in caps})
+    classes = len({(cap.bit_length() - 1) // 2 for cap in caps})
     fields = led.r.hlen(led.k("A", keys.BUCKETS)) - 1  # less "_prompt"
-    assert octaves == 11 and fields <= grid * octaves < 2000 / 10
+    assert classes == 6 and fields <= grid * classes < 2000 / 10
     # ... and they still hold exactly the requests and caps in flight
     buckets = led.buckets("A")
     assert len(buckets) == fields
@@ -432,6 +434,45 @@ def test_distinct_caps_never_count_below_what_each_request_would(redis_url: str)
     after = each_counted(sec + usec / 1e6)
     # Then: never less than each request counted alone, and not much more
     assert math.floor(before) <= counted <= 1.05 * after
+
+
+@pytest.mark.parametrize("encoding", ["msgpack", "json (as stored before)"])
+def test_admission_counts_every_bucket_as_the_model_says(redis_url: str, encoding: str
+                                                          ) -> None:
+    # Given: a length model (lognormal, mean 3.7K, 40 tok/s) and 3,000 requests in flight
+    # whose starts spread over the last 300 s with caps of their own, 200-16,000: many
+    # starts, each at another progress, some past the model's last threshold
+    led = _ledger(redis_url, token_budget=10**12, admission_margin_sd=0.0)
+    rng = random.Random(11)
+    lengths = [min(16384, max(1, int(rng.lognormvariate(math.log(3700) - 0.5, 1.0))))
+               for _ in range(2000)]
+    raw = length_model(lengths, 40.0, 1.0, cap=16384)
+    model = stored(raw)
+    led.r.set(led.k("A", keys.MODEL),
+              encode_model(raw) if encoding == "msgpack" else json.dumps(model))
+    sec, usec = led.r.time()
+    now = sec + usec / 1e6
+    caps = [rng.randrange(200, 16000) for _ in range(3000)]
+    led.r.hset(led.k("A", keys.STATS), "cap", max(caps))
+    fields: dict[str, int] = {}
+    for cap in caps:
+        field = bucket_field(now - rng.uniform(0, 300), cap, max(caps), model["rate"])
+        fields[field] = fields.get(field, 0) + cap * BUCKET_COUNT + 1
+    led.r.hset(led.k("A", keys.BUCKETS), mapping=fields)
+
+    def by_the_model(at: float) -> float:
+        # lua/_lib.lua's rule: n requests of a bucket count min(n * E[L | L > p], their caps)
+        return sum(min(b.count * _expected_final(model, max(0.0, at - b.start) * model["rate"]),
+                       b.caps) for b in led.buckets("A"))
+
+    sec, usec = led.r.time()
+    before = by_the_model(sec + usec / 1e6)
+    counted = led.admit("A", "probe", "rp", "w", 5, 100).expected_in_flight
+    sec, usec = led.r.time()
+    after = by_the_model(sec + usec / 1e6)
+    # Then: what admission counts is the model's sum at the moment it ran (it grows with time)
+    assert len(fields) > 60
+    assert math.floor(before) <= counted <= after
 
 
 def test_the_benchmarks_bucket_field_is_the_scripts(ledger: Ledger) -> None:

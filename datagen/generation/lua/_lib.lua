@@ -14,23 +14,24 @@ local function redis_now()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
--- Cap classes are octaves of max_new_tokens (class k: caps in [2^k, 2^(k + 1))), so a
--- dataset whose long prompts each get their own cap (context - prompt - 1) has a dozen
--- classes at most, not a bucket per request. A bucket keeps the sum of its caps with its
--- count: its requests count min(n * E[L | L > p], sum of caps), what n requests of one cap
--- count exactly, and never less than requests of different caps count each.
+-- Cap classes are double octaves of max_new_tokens (class k: caps in [4^k, 4^(k + 1))), so
+-- a dataset whose long prompts each get their own cap (context - prompt - 1) has half a dozen
+-- classes at most, not a bucket per request, and admission reads half the fields octaves
+-- would give. A bucket keeps the sum of its caps with its count: its requests count
+-- min(n * E[L | L > p], sum of caps), what n requests of one cap count exactly, and never
+-- less than requests of different caps count each.
 local CLASSES = 64
 local COUNT = 16777216  -- 2^24: a bucket's value is sum of caps * COUNT + requests
 
 local function cap_class(cap)
   local _, e = math.frexp(max(1, cap))
-  return min(CLASSES - 1, e - 1)
+  return min(CLASSES - 1, floor((e - 1) / 2))
 end
 
 -- The bucket field of a request starting now. Every class shares one time grid, the
 -- expected duration of the dataset's largest cap / 32 (1-60 s): a few dozen buckets for the
--- largest class, half as many for the next (its requests end sooner), and so on: about 64
--- in all whatever the caps. One cap (or one per queue) reads as the buckets did before
+-- largest class, a quarter as many for the next (its requests end sooner), and so on: about
+-- 45 in all whatever the caps. One cap (or one per queue) reads as the buckets did before
 -- cap classes: the same grid, one class each.
 local function bucket_field(now, cap, cap_max, rate)
   local width = max(1, min(60, floor(cap_max / max(rate, 1e-3) / 32)))
@@ -93,49 +94,28 @@ local function wake(parked, pending, n)
   return out
 end
 
--- Admission's view of a dataset's requests in flight: E[what they will count] and its
--- variance, from the (start, cap) buckets and the length model (t/m/v table, see
--- admission.py). Until the model exists each request counts at its cap.
---   est = {expected, var, count, mean, rate, model, worst}; var includes the next request's
---   own; worst is what they count at the most (every one at its cap).
-local function locate(t, p)
-  local lo, hi = 1, #t
-  while hi - lo > 1 do
-    local mid = floor((lo + hi) / 2)
-    if t[mid] <= p then lo = mid else hi = mid end
-  end
-  return lo, hi
+-- The length model (admission.py's encode_model: MessagePack, whose doubles decode in
+-- about half cjson's time; a JSON model from before is read too). nil until it exists.
+local function read_model(key)
+  local raw = redis.call('GET', key)
+  if not raw then return nil end
+  if string.byte(raw, 1) == 123 then return cjson.decode(raw) end  -- '{'
+  return cmsgpack.unpack(raw)
 end
 
-local function expected_final(model, p, cap)
-  if not model then return cap, 0 end
-  local t, m, v = model['t'], model['m'], model['v']
-  if p < t[1] then return max(m[1], p), v[1] end
-  if p >= t[#t] then return p + model['tail'], v[#t] end
-  local lo, hi = locate(t, p)
-  -- E[L | L > t] grows with t: interpolate rather than take the lower threshold's value.
-  local w = (p - t[lo]) / max(1, t[hi] - t[lo])
-  return max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
-end
-
-local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mean, total,
-                                  precise)
-  local raw = redis.call('GET', model_key)
-  local model = nil
-  if raw then model = cjson.decode(raw) end
-  local rate, mean = prior_rate, prior_mean
-  if model then rate, mean = model['rate'], model['mean'] end
-  local expected, var, count, worst, prompt = 0, 0, 0, 0, 0
-  -- E[L | L > p] and its variance by bucket start: the classes of one start share them.
-  local at_final, at_var = {}, {}
+-- The buckets as parallel lists (start, class, requests, sum of caps), empty ones left out,
+-- with the prompt tokens in flight.
+local function read_buckets(buckets)
+  local starts, classes, ns, caps = {}, {}, {}, {}
+  local k, prompt = 0, 0
   local flat = redis.call('HGETALL', buckets)
   for i = 1, #flat, 2 do
     local x = tonumber(flat[i])
-    local start, class, n, caps
+    local start, class, n, c
     if x then
       class = x % CLASSES
       start = (x - class) / CLASSES
-      n, caps = unpack_bucket(flat[i + 1])
+      n, c = unpack_bucket(flat[i + 1])
     elseif flat[i] == '_prompt' then
       prompt = tonumber(flat[i + 1])
     else  -- "<start>:<cap>", from before cap classes
@@ -143,27 +123,79 @@ local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mea
       local cap = tonumber(string.sub(flat[i], colon + 1))
       start, class = tonumber(string.sub(flat[i], 1, colon - 1)), cap_class(cap)
       n = tonumber(flat[i + 1])
-      caps = n * cap
+      c = n * cap
     end
     if n and n > 0 then
-      count = count + n
-      worst = worst + caps
-      if precise and not model then
-        expected = expected + caps
-      elseif precise then
-        -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
-        -- Each request counts min(E[L | L > p], its cap) (E[L | L > p] >= p: one past its
-        -- cap counts its cap), so n of them count at most min(n * E[L | L > p], their caps).
-        local p = max(0, now - start) * rate
-        local final = at_final[start]
-        if not final then
-          final, at_var[start] = expected_final(model, p, nil)
-          at_final[start] = final
-        end
-        expected = expected + min(n * final, caps)
-        -- Past every cap of its class a request counts its cap: no spread.
-        if p < 2 ^ (class + 1) then var = var + n * at_var[start] end
-      end
+      k = k + 1
+      starts[k], classes[k], ns[k], caps[k] = start, class, n, c
+    end
+  end
+  return starts, classes, ns, caps, prompt
+end
+
+-- E[L | L > p] and Var[L | L > p] at every bucket start (the classes of one start share
+-- them), keyed by start. The starts are sorted once and taken latest first, so their
+-- progress p ascends and one walk along the model's thresholds serves them all, not a
+-- search each. Between two thresholds E[L | L > t] is interpolated (it grows with t); past
+-- the last, p + the mean excess there.
+local function at_starts(model, starts, now, rate)
+  local final, spread, order, n = {}, {}, {}, 0
+  for i = 1, #starts do
+    local s = starts[i]
+    if not final[s] then
+      final[s] = true
+      n = n + 1
+      order[n] = s
+    end
+  end
+  table.sort(order)
+  local t, m, v, tail = model['t'], model['m'], model['v'], model['tail']
+  local last, lo = #t, 1
+  for i = n, 1, -1 do
+    local s = order[i]
+    local p = max(0, now - s) * rate
+    if p < t[1] then
+      final[s], spread[s] = max(m[1], p), v[1]
+    elseif p >= t[last] then
+      final[s], spread[s] = p + tail, v[last]
+    else
+      while t[lo + 1] <= p do lo = lo + 1 end  -- the last threshold at or below p
+      local hi = lo + 1
+      local w = (p - t[lo]) / max(1, t[hi] - t[lo])
+      final[s], spread[s] = max(m[lo] + w * (m[hi] - m[lo]), p), v[lo]
+    end
+  end
+  return final, spread
+end
+
+-- Admission's view of a dataset's requests in flight: E[what they will count] and its
+-- variance, from the (start, cap class) buckets and the length model (t/m/v table, see
+-- admission.py). Until the model exists each request counts at its cap.
+--   est = {expected, var, count, mean, rate, model, worst}; var includes the next request's
+--   own; worst is what they count at the most (every one at its cap).
+local function in_flight_estimate(buckets, model_key, now, prior_rate, prior_mean, total,
+                                  precise)
+  local model = read_model(model_key)
+  local rate, mean = prior_rate, prior_mean
+  if model then rate, mean = model['rate'], model['mean'] end
+  local starts, classes, ns, caps, prompt = read_buckets(buckets)
+  local expected, var, count, worst = 0, 0, 0, 0
+  for i = 1, #ns do
+    count = count + ns[i]
+    worst = worst + caps[i]
+  end
+  if precise and not model then
+    expected = worst
+  elseif precise then
+    local final, spread = at_starts(model, starts, now, rate)
+    for i = 1, #ns do
+      -- The bucket's start is its earliest: the most progress, the largest E[L | L > p].
+      -- Each request counts min(E[L | L > p], its cap) (E[L | L > p] >= p: one past its
+      -- cap counts its cap), so n of them count at most min(n * E[L | L > p], their caps).
+      local s, n = starts[i], ns[i]
+      expected = expected + min(n * final[s], caps[i])
+      -- Past every cap of its class a request counts its cap: no spread.
+      if max(0, now - s) * rate < 4 ^ (classes[i] + 1) then var = var + n * spread[s] end
     end
   end
   if total then
