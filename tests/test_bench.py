@@ -91,3 +91,39 @@ def test_bench_scale_measures_every_phase_and_fits_a_line(tmp_path: Path) -> Non
     assert "(extrapolated)" in result.stdout
     # What the bench wrote is gone
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
+
+
+def test_bench_ledger_runs_another_revisions_scripts_on_every_fill(tmp_path: Path) -> None:
+    out = tmp_path / "caps.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_ledger.py", "--parts", "caps", "--in-flight", "300",
+         "--calls", "10", "--rounds", "2", "--before", "HEAD", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["distinct_caps"]
+    # both trees, every fill, both rounds; HEAD's own layout writes about the same bucket
+    # fields (a fill made a moment later may cross one more boundary of the time grid)
+    assert len(rows) == 2 * 3 * 2 * 2
+    ours = {(r["caps"], r["fill"], r["round"]): r["fields"] for r in rows
+            if r["code"] == "this tree"}
+    theirs = {(r["caps"], r["fill"], r["round"]): r["fields"] for r in rows
+              if r["code"] == "before (HEAD)"}
+    assert ours.keys() == theirs.keys() and all(f > 0 for f in ours.values())
+    assert all(abs(ours[k] - theirs[k]) <= 2 for k in ours), (ours, theirs)
+    assert "median of the rounds" in result.stdout
+
+
+def test_bench_memory_measures_rebuild_merge_and_prepare_with_the_tokenizer(
+        tmp_path: Path) -> None:
+    out = tmp_path / "memory.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_memory.py", "--only", "1000", "--pending", "200",
+         "--workdir", str(tmp_path), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    case = json.loads(out.read_text())["cases"][0]
+    assert case["records"] == 1000 and case["prepare"]["conversations"] == 1000
+    for step in ("rebuild", "merge", "prepare"):
+        assert 0 < case[step]["base_mb"] <= case[step]["peak_mb"] < 500, step
+    assert "goal <= 500 MB: met" in result.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["memory.json"]  # records deleted
