@@ -190,12 +190,15 @@ def _write_conversations(out: Path, datasets: list[str], places: BinaryIO,
     found it."""
     path = training_dir(out) / CONVERSATIONS_NAME
     places.flush()
+    progress = Progress("prepare: conversations", places.tell() // PLACE.size, "samples")
     places.seek(0)
     with _Reader(out) as reader, atomic_file(path) as conversations:
         while chunk := places.read(PLACE.size * 65_536):
             for number, offset in PLACE.iter_unpack(chunk):
                 record = reader.read(datasets[number], offset)
                 conversations.write(_conversation_line(record, decode))
+            progress.update(len(chunk) // PLACE.size)
+    progress.close()
     return path
 
 
