@@ -94,8 +94,12 @@ SPEEDS = "speeds"
 # STRING int: bumped on every reopen; task messages are stamped "<dataset>#<epoch>" so a
 # stamped revoke of a closed epoch never hits tasks enqueued after a reopen.
 EPOCH = "epoch"
-# STRING JSON: the length model admission uses (see ledger.length_model).
-MODEL = "model"
+# STRING MessagePack: the length model admission uses (see admission.encode_model).
+MODEL = "model_msgpack"
+# STRING JSON: the same model as versions before MessagePack read it, kept beside it while
+# processes of such a version may still run against this Redis (adding a newer machine to a
+# running fleet). Same lifetime as MODEL.
+MODEL_JSON = "model"
 # ZSET time -> "tokens@time" after each commit, last 120 s only: recent tokens/s.
 PROGRESS = "progress"
 # ZSET time -> event log of budget decisions (close/reopen), for status.

@@ -32,6 +32,7 @@ from datagen.generation.admission import (
     encode_model,
     length_model,
     read_buckets,
+    stored,
 )
 
 if TYPE_CHECKING:
@@ -260,7 +261,10 @@ class Ledger:
                              int(stats.get("cap", 0)) or None,
                              self.settings.admission_min_responses)
         if model is not None:
-            self.r.set(self.k(dataset, keys.MODEL), encode_model(model))
+            with self.r.pipeline(transaction=False) as pipe:
+                pipe.set(self.k(dataset, keys.MODEL), encode_model(model))
+                pipe.set(self.k(dataset, keys.MODEL_JSON), json.dumps(stored(model)))
+                pipe.execute()
         return model
 
     # -- pending work, dead letters, closing ----------------------------------------

@@ -147,7 +147,7 @@ def _store(ledger: Ledger, dataset: str, stats: dict[str, int], lengths: list[in
     # under another key; one transaction puts it in place with the stats, so a rebuild cut
     # short leaves the ledger as it was (but for pending entries of samples done on disk).
     with r.pipeline() as pipe:
-        for part in (keys.DONE, keys.LENGTHS, keys.SPEEDS, keys.MODEL):
+        for part in (keys.DONE, keys.LENGTHS, keys.SPEEDS, keys.MODEL, keys.MODEL_JSON):
             pipe.delete(k(dataset, part))
         if staged:
             pipe.rename(k(dataset, keys.DONE_REBUILD), k(dataset, keys.DONE))

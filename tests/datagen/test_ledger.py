@@ -8,6 +8,7 @@ import random
 import time
 
 import pytest
+import redis
 
 from config.settings import Settings
 from datagen import keys
@@ -473,6 +474,30 @@ def test_admission_counts_every_bucket_as_the_model_says(redis_url: str, encodin
     # Then: what admission counts is the model's sum at the moment it ran (it grows with time)
     assert len(fields) > 60
     assert math.floor(before) <= counted <= after
+
+
+def test_the_model_is_written_for_these_scripts_and_as_json_for_earlier_versions(
+        ledger: Ledger) -> None:
+    # A machine of an earlier version may still run against this Redis while newer ones join:
+    # it reads the model as JSON under the old key, so both are written at every refresh.
+    ledger.set_budget("A", 10**9)
+    for i in range(30):
+        assert ledger.admit("A", f"s{i}", f"r{i}", "w", 5, 2000).status == "ok"
+        ledger.commit("A", f"s{i}", f"r{i}", 5, 100 + 10 * i, False, 1.0)
+    model = ledger.refresh_model("A")
+    assert model is not None
+    raw = redis.Redis(**{**ledger.r.connection_pool.connection_kwargs,
+                         "decode_responses": False})
+    packed = raw.get(ledger.k("A", keys.MODEL))
+    assert packed == encode_model(model) and packed[:1] != b"{"
+    assert json.loads(ledger.r.get(ledger.k("A", keys.MODEL_JSON))) == stored(model)
+    # ... and the scripts read the MessagePack one as the JSON one was read
+    decoded = ledger.r.eval("return cjson.encode(cmsgpack.unpack(redis.call('GET', KEYS[1])))",
+                            1, ledger.k("A", keys.MODEL))
+    got, want = json.loads(decoded), stored(model)
+    assert got.keys() == want.keys()
+    for key, value in want.items():  # (cjson prints 14 digits)
+        assert got[key] == pytest.approx(value, rel=1e-12), key
 
 
 def test_the_benchmarks_bucket_field_is_the_scripts(ledger: Ledger) -> None:
