@@ -58,8 +58,8 @@ def test_bench_generate_measures_the_pipeline_the_client_and_the_celery_floor(
 def test_bench_scale_measures_every_phase_and_fits_a_line(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     result = subprocess.run(
-        [sys.executable, "bench/bench_scale.py", "--prompts", "800,1600", "--records",
-         "800,1600", "--run-samples", "300", "--simulators", "1", "--short-concurrency", "8",
+        [sys.executable, "bench/bench_scale.py", "--prompts", "300,600", "--records",
+         "300,600", "--run-samples", "150", "--simulators", "1", "--short-concurrency", "8",
          "--long-concurrency", "4", "--target", "1000000", "--workdir", str(tmp_path),
          "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -68,26 +68,26 @@ def test_bench_scale_measures_every_phase_and_fits_a_line(tmp_path: Path) -> Non
     phases = data["phases"]
     assert set(phases) == {"produce", "rerun", "status", "run", "rebuild", "merge", "prepare"}
     for phase in ("produce", "rerun", "rebuild", "merge", "prepare"):
-        assert set(phases[phase]["sizes"]) == {"800", "1600"}, phase
+        assert set(phases[phase]["sizes"]) == {"300", "600"}, phase
         for figures in phases[phase]["sizes"].values():
             assert figures["seconds"] > 0 and figures["peak_rss_mb"] > 0
         # Two sizes, a target beyond them: every fitted figure is read at the target
         assert phases[phase]["fit"]["seconds"]["extrapolated_at"] == 1_000_000
-    produced = phases["produce"]["sizes"]["1600"]
-    assert produced["enqueued"] == 1600 and produced["queued"]["long"] > 0
+    produced = phases["produce"]["sizes"]["600"]
+    assert produced["enqueued"] == 600 and produced["queued"]["long"] > 0
     assert produced["redis_mb"] > 0
-    assert phases["rerun"]["sizes"]["1600"]["enqueued"] == 0  # all pending: nothing new
-    status = phases["status"]["sizes"]["1600"]
-    assert status["pending"] == 1600 and len(status["status_s"]) == 3
+    assert phases["rerun"]["sizes"]["600"]["enqueued"] == 0  # all pending: nothing new
+    status = phases["status"]["sizes"]["600"]
+    assert status["pending"] == 600 and len(status["status_s"]) == 3
     assert set(status["flower"]) == {"/api/workers", "/api/workers?refresh=1",
                                      "/api/queues/length", "/api/tasks?limit=100"}
-    run = phases["run"]["sizes"]["1600"]
-    assert run["samples"] >= 300 and run["samples_per_s"] > 0
+    run = phases["run"]["sizes"]["600"]
+    assert run["samples"] >= 150 and run["samples_per_s"] > 0
     assert run["redis"]["script_calls_per_s"] > 0 and run["redis"]["cpu_cores"] >= 0
     assert set(run["with_workers"]["flower"]) == set(status["flower"])
-    assert phases["rebuild"]["sizes"]["1600"]["done"] == 1600
-    assert phases["merge"]["sizes"]["1600"]["records"] == 1600
-    assert phases["prepare"]["sizes"]["1600"]["samples"] == 1600
+    assert phases["rebuild"]["sizes"]["600"]["done"] == 600
+    assert phases["merge"]["sizes"]["600"]["records"] == 600
+    assert phases["prepare"]["sizes"]["600"]["samples"] == 600
     assert "(extrapolated)" in result.stdout
     # What the bench wrote is gone
     assert [p.name for p in tmp_path.iterdir()] == ["scale.json"]
