@@ -145,6 +145,12 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     if not todo and not dead:
         print(f"all {len(shards)} shards done ({manifest['samples']:,} samples, "
               f"{manifest['tokens']:,} tokens): nothing to enqueue; files under {out}")
+        # the same exit as when it followed them to the end: 3 if any sample was dead-lettered
+        # (a replica can finish the last shard before this command looks)
+        code = _finished(xl, shards, done, dead, 0.0, out)
+        if code:
+            print("SpecForge handoff not written: extraction is incomplete")
+            return code
         return write_handoff(settings, shards)
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
