@@ -163,6 +163,13 @@ class Stack:
 
         return requests.get(f"{url or self.sim_url}/_sim/log", timeout=10).json()
 
+    def set_fault(self, url: str | None = None, **spec: Any) -> None:
+        """Inject a simulator fault (`POST /_sim/fault`, modes in simulator/fault.py)."""
+        import requests
+
+        requests.post(f"{url or self.sim_url}/_sim/fault", json=spec,
+                      timeout=10).raise_for_status()
+
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()

@@ -280,10 +280,6 @@ def test_short_visibility_timeout_does_not_run_any_sample_twice(stack: Stack) ->
     assert_exact_accounting(stack, settings, "B1", 12)
 
 
-def set_fault(url: str, **spec: Any) -> None:
-    requests.post(f"{url}/_sim/fault", json=spec, timeout=5).raise_for_status()
-
-
 def test_server_errors_are_retried_and_bad_requests_dead_lettered(stack: Stack) -> None:
     # Given: a server whose context is smaller than the producer believes
     url = stack.start_simulator("--lengths", "fixed:30", "--decode-step-s", "0.002",
@@ -297,13 +293,13 @@ def test_server_errors_are_retried_and_bad_requests_dead_lettered(stack: Stack) 
                                server_url=sized_for, long_threshold_tokens=100_000,
                                short_max_tokens=50)
     # ... and that fails the next requests with 500s and connection resets
-    set_fault(url, mode="error500", count=3)
+    stack.set_fault(url, mode="error500", count=3)
     stack.worker("short", server_url=url)
     stack.wait_workers(1)
     ledger = start(stack, settings)
     wait_until(lambda: requests.get(f"{url}/_sim/fault", timeout=5).json()["mode"] == "none",
                30, what="the 500s to be used up")
-    set_fault(url, mode="reset", count=2)
+    stack.set_fault(url, mode="reset", count=2)
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
 
     # Then: the 400 is dead-lettered with the server's message; all others are done
@@ -323,7 +319,7 @@ def test_a_read_timeout_aborts_the_request_on_the_server(stack: Stack) -> None:
                                read_timeout_s=1.5, short_max_tokens=100)
     stack.worker("short")
     stack.wait_workers(1)
-    set_fault(url, mode="slow", factor=20)
+    stack.set_fault(url, mode="slow", factor=20)
 
     def aborted() -> set[str]:
         return {e["rid"] for e in stack.sim_log() if e["event"] == "abort"}
@@ -331,7 +327,7 @@ def test_a_read_timeout_aborts_the_request_on_the_server(stack: Stack) -> None:
     # zombie decoding), and then the server is fast again
     ledger = start(stack, settings)
     wait_until(lambda: len(aborted()) >= 4, 60, what="4 timed-out requests aborted")
-    set_fault(url, mode="none")
+    stack.set_fault(url, mode="none")
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
     # Then: the retries completed every sample, each stored and counted once
     starts = {e["rid"] for e in stack.sim_log() if e["event"] == "start"}
@@ -347,7 +343,7 @@ def test_a_server_down_for_a_while_does_not_burn_retries(stack: Stack) -> None:
                                max_retries=1, short_max_tokens=50)
     worker = stack.worker("short")
     stack.wait_workers(1)
-    set_fault(url, mode="down")
+    stack.set_fault(url, mode="down")
     # When: the run starts while it is down, and every slot has met the outage
     ledger = start(stack, settings)
     wait_until(lambda: len(_down_rejects(stack)) >= 3, 60, what="3 requests refused with 503")
@@ -355,7 +351,7 @@ def test_a_server_down_for_a_while_does_not_burn_retries(stack: Stack) -> None:
                what="the worker to wait for the server")
     # ... and it stays down for many retry backoffs (0.2 s each) after that
     time.sleep(2.0)
-    set_fault(url, mode="none")
+    stack.set_fault(url, mode="none")
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
 
     # Then: the refusals came before any request ran, the worker waited them out,

@@ -7,9 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
-import requests
 from conftest import Stack, write_jsonl
 
 from cli.stack import REPO
@@ -94,10 +92,6 @@ def test_datagen_dead_lists_the_dead_samples_by_reason_and_the_run_sums_them_up(
     assert datagen(stack, "dead", "B9").returncode == 2
 
 
-def set_fault(url: str, **spec: Any) -> None:
-    requests.post(f"{url}/_sim/fault", json=spec, timeout=5).raise_for_status()
-
-
 def run_producer(stack: Stack) -> int:
     ledger = stack.ledger()
     reports = Producer(stack.settings(), stack.app(), ledger).run()
@@ -112,7 +106,7 @@ def test_a_dead_letter_clears_when_its_sample_later_succeeds(stack: Stack) -> No
                 [{"id": f"B1-{i}", "prompt": f"question number {i}"} for i in range(8)])
     stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=2, max_retries=0,
                     short_max_tokens=50)
-    set_fault(url, mode="error500", count=2)
+    stack.set_fault(url, mode="error500", count=2)
     stack.worker("short")
     stack.wait_workers(1)
     assert run_producer(stack) == 8
