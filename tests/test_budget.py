@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Stack, wait_until, write_jsonl
+from conftest import CLI_HANG_S, Stack, wait_until, write_jsonl
 
 from cli.stack import REPO
 from datagen.generation.follower import follow
@@ -229,7 +229,7 @@ def test_restart_skips_datasets_over_budget_and_resumes_the_rest(stack: Stack) -
 def _budget_cmd(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, **stack.env)
     return subprocess.run([sys.executable, "-m", "cli.main", "budget", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=CLI_HANG_S)
 
 
 def test_lowering_a_budget_closes_at_once_and_raising_it_reopens(stack: Stack) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import requests
-from conftest import Stack, wait_until, write_jsonl
+from conftest import CLI_HANG_S, Stack, wait_until, write_jsonl
 
 from cli.stack import REPO, Process, child_env
 from datagen import keys
@@ -386,7 +386,7 @@ def test_redis_restarted_empty_is_rebuilt_from_the_records(stack: Stack,
     redis_server.restart(empty=True)
     env = dict(os.environ, **stack.env)
     result = subprocess.run([sys.executable, "-m", "cli.main", "recover"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=CLI_HANG_S)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "B1:" in result.stdout and "records" in result.stdout
     stack.wait_workers(1)
@@ -441,7 +441,7 @@ def test_recover_while_workers_run_keeps_their_commits_and_every_close_reason(
     # When: the operator runs `datagen recover` while the worker goes on committing
     result = subprocess.run([sys.executable, "-m", "cli.main", "recover"], cwd=REPO,
                             env=child_env(stack.env), capture_output=True, text=True,
-                            timeout=120)
+                            timeout=CLI_HANG_S)
     assert result.returncode == 0, result.stderr[-2000:]
     follow(ledger, 0.3, app=stack.app(), timeout_s=120)
 
@@ -462,7 +462,7 @@ def test_sigterm_hands_in_flight_work_back(stack: Stack) -> None:
 
     # When: it gets SIGTERM
     first.signal(signal.SIGTERM)
-    first.proc.wait(timeout=30)
+    first.proc.wait(timeout=CLI_HANG_S)
 
     # Then: it aborted its requests, re-enqueued their samples, and exited; a new
     # worker finishes the run with no partial record stored
@@ -516,7 +516,7 @@ def test_ids_and_names_from_the_data_cannot_write_outside_the_output(stack: Stac
     env = dict(os.environ, **stack.env)
     result = subprocess.run([sys.executable, "-m", "cli.main", "produce", "--partition",
                              "../../etc"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=60)
+                            timeout=CLI_HANG_S)
     assert result.returncode == 2 and "../../etc" in result.stderr
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Stack, write_jsonl
+from conftest import CLI_HANG_S, Stack, write_jsonl
 
 from cli.stack import REPO
 from datagen.generation.follower import follow
@@ -32,7 +32,7 @@ def user(text: str) -> list[dict[str, str]]:
 def datagen(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=REPO,
                           env=dict(os.environ, **stack.env), capture_output=True, text=True,
-                          timeout=150)
+                          timeout=CLI_HANG_S)
 
 
 def partition_with_oversized_prompts(stack: Stack) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import wait_until
+from conftest import CLI_HANG_S, wait_until
 
 from cli.main import _parser, settings_from
 from cli.stack import REPO
@@ -27,7 +27,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 def make_help_targets() -> list[str]:
     out = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+                         timeout=CLI_HANG_S, check=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -48,7 +48,7 @@ def test_make_help_lists_every_target_with_one_line() -> None:
 def test_every_make_target_resolves(target: str) -> None:
     # A dry run proves the target and its recipe exist (Docker and GPU targets included).
     result = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+                            timeout=CLI_HANG_S)
     assert result.returncode == 0, result.stderr
 
 
@@ -67,7 +67,7 @@ def test_every_datagen_command_in_the_docs_exists() -> None:
 @pytest.mark.parametrize("command", sorted(cli_commands()))
 def test_every_cli_command_answers_help(command: str) -> None:
     result = subprocess.run([sys.executable, "-m", "cli.main", command, "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=CLI_HANG_S)
     assert result.returncode == 0 and "usage" in result.stdout, result.stderr
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Stack, wait_until, write_jsonl
+from conftest import CLI_HANG_S, Stack, wait_until, write_jsonl
 from test_pipeline import make_partition, run_to_end
 
 from cli.main import main
@@ -336,7 +336,7 @@ def test_the_gpu_worker_and_extract_refuse_to_start_without_a_model(stack: Stack
         for argv in (["worker", "gpu"], ["extract"]):
             result = subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=REPO,
                                     env=child_env(stack.env), capture_output=True, text=True,
-                                    timeout=120)
+                                    timeout=CLI_HANG_S)
             # One line naming the setting, before any shard is taken; no made-up flag
             assert result.returncode == 2, (argv, result.stderr[-2000:])
             line = result.stderr.strip().splitlines()[-1]

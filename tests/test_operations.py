@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
-from conftest import Stack, wait_until, write_jsonl
+from conftest import CLI_HANG_S, Stack, wait_until, write_jsonl
 
 from cli.stack import REPO, START_TIMEOUT_S, Process, child_env
 from datagen.generation.follower import follow
@@ -134,7 +134,7 @@ def test_status_json_equals_the_ledger(stack: Stack) -> None:
 
     env = dict(os.environ, **stack.env)
     out = subprocess.run([sys.executable, "-m", "cli.main", "status", "--json"], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=60)
+                         env=env, capture_output=True, text=True, timeout=CLI_HANG_S)
     assert out.returncode == 0, out.stderr
     rows = {r["dataset"]: r for r in json.loads(out.stdout)}
     for name in ("B1", "B2"):
@@ -148,7 +148,7 @@ def test_status_json_equals_the_ledger(stack: Stack) -> None:
     # a closed dataset's dropped tasks count as revoked, not as still queued
     assert rows["B2"]["queued"] == 0 and rows["B2"]["waiting"] == 0
     table = subprocess.run([sys.executable, "-m", "cli.main", "status"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=CLI_HANG_S)
     assert "closed at budget" in table.stdout and "total" in table.stdout
 
 
@@ -222,7 +222,7 @@ def test_a_second_machine_adds_its_own_limits_and_finishes_sooner(stack: Stack) 
 def _datagen(stack: Stack, *argv: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, **stack.env)
     return subprocess.run([sys.executable, "-m", "cli.main", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=150)
+                          capture_output=True, text=True, timeout=CLI_HANG_S)
 
 
 def test_a_finished_run_with_skipped_lines_exits_0_and_strict_exits_3(stack: Stack) -> None:
@@ -281,7 +281,7 @@ def test_make_workers_fails_when_a_worker_exits(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
     # When: `make workers CONFIG=...` starts both workers
     result = subprocess.run(["make", "-s", "workers", f"CONFIG={config}"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=CLI_HANG_S)
     # Then: make says so, with the setting named
     assert result.returncode != 0
     assert "short_concurrency" in result.stderr

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Stack, write_jsonl
+from conftest import CLI_HANG_S, Stack, write_jsonl
 
 from cli.stack import REPO
 from config.settings import Settings, masked_url
@@ -52,7 +52,7 @@ def test_no_secret_appears_in_logs_records_or_status(tmp_path: Path, tokenizer_d
             assert ledger.snapshot("B1")["stats"]["samples"] == 6
             env = dict(os.environ, **stack.env)
             outputs = [subprocess.run([sys.executable, "-m", "cli.main", cmd], cwd=REPO,
-                                      env=env, capture_output=True, text=True, timeout=60)
+                                      env=env, capture_output=True, text=True, timeout=CLI_HANG_S)
                        for cmd in ("status", "config", "merge")]
         finally:
             stack.stop()
@@ -73,7 +73,7 @@ def test_an_unreachable_redis_is_named_by_its_setting_with_the_password_masked()
     url = f"redis://:s3cret-word@127.0.0.1:{free_port()}/0"
     result = subprocess.run([sys.executable, "-m", "cli.main", "status"], cwd=REPO,
                             env=dict(os.environ, DATAGEN_REDIS_URL=url), capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=CLI_HANG_S)
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert "cannot reach Redis at redis_url redis://:***@127.0.0.1:" in line

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 import requests
-from conftest import Stack, write_jsonl
+from conftest import CLI_HANG_S, Stack, write_jsonl
 
 from cli.stack import REPO
 from datagen.generation.follower import follow
@@ -83,7 +83,7 @@ def test_a_context_length_setting_over_the_servers_is_refused_and_nothing_enqueu
     # When: the producer starts
     result = subprocess.run([sys.executable, "-m", "cli.main", "produce"], cwd=REPO,
                             env=dict(os.environ, **stack.env), capture_output=True, text=True,
-                            timeout=120)
+                            timeout=CLI_HANG_S)
 
     # Then: one line naming the setting and both values, and nothing queued
     assert result.returncode == 2, result.stderr
