@@ -94,7 +94,7 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
         tasks = requests.get(f"{url}/api/tasks", params={"state": "REVOKED"}, auth=auth,
                              timeout=20).json()
         return len(tasks)
-    wait_until(lambda: revoked() > 0, 30, what="revoked tasks in Flower")
+    wait_until(lambda: revoked() > 0, 180, what="revoked tasks in Flower")
     # every row tells its dataset and sample apart
     listed = requests.get(f"{url}/api/tasks", auth=auth, timeout=20).json().values()
     assert {t["kwargs"].split("/")[0] for t in listed} == {"B1", "B2"}

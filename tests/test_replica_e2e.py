@@ -24,6 +24,7 @@ from datagen.builders.tiny_deepseek import build_tiny_deepseek_v3
 from datagen.builders.tiny_model import build_tiny_llama
 from datagen.extraction import ledger as xlm
 from datagen.extraction.extractor import ExtractionConfig, Extractor
+from datagen.extraction.manifest import shard_name
 from datagen.generation.ledger import connect
 from datagen.training.training_set import extraction_dir
 
@@ -138,15 +139,24 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
     # written
     assert datagen(monkeypatch, stack, "extract", "--no-wait") == 0
 
-    def a_mid_shard() -> str | None:
+    chosen: list[str] = []
+
+    def a_mid_shard() -> bool:
+        # mid-shard, with a sample's files already written (the manifest lists it): "handled"
+        # counts forward passes, and the writer threads may lag behind them
         for shard, raw in r.hgetall(xlm.PROGRESS).items():
             p = json.loads(raw)
-            if p["worker"] == owner_a and 3 <= p["handled"] < p["total"]:
-                return shard
-        return None
+            if p["worker"] == owner_a and 3 <= p["handled"] < p["total"] and written(shard):
+                chosen.append(shard)
+                return True
+        return False
 
-    wait_until(a_mid_shard, 120, 0.01, what="A half way through a shard")
-    killed_shard = a_mid_shard()
+    def written(shard: str) -> bool:
+        manifest = extraction_dir(settings) / "manifest" / f"{shard_name(shard)}.jsonl"
+        return manifest.exists() and b"\n" in manifest.read_bytes()
+
+    wait_until(a_mid_shard, 120, 0.01, what="A half way through a shard, a sample written")
+    killed_shard = chosen[-1]
     os.kill(rank_pids(a)[victim], sig)
     killed_at = time.time()
     assert killed_shard is not None and not r.hexists(xlm.DONE, killed_shard)
