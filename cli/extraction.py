@@ -147,11 +147,7 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
               f"{manifest['tokens']:,} tokens): nothing to enqueue; files under {out}")
         # the same exit as when it followed them to the end: 3 if any sample was dead-lettered
         # (a replica can finish the last shard before this command looks)
-        code = _finished(xl, shards, done, dead, 0.0, out)
-        if code:
-            print("SpecForge handoff not written: extraction is incomplete")
-            return code
-        return write_handoff(settings, shards)
+        return _hand_off(settings, shards, _finished(xl, shards, done, dead, 0.0, out))
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
     need = check_disk(out, sum(s.tokens for s in todo), hidden,
@@ -165,8 +161,12 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
           flush=True)
     if args.no_wait:
         return 0
-    code = follow_extraction(xl, app, shards, args.interval, args.timeout_s, out,
-                             settings)
+    return _hand_off(settings, shards, follow_extraction(xl, app, shards, args.interval,
+                                                         args.timeout_s, out, settings))
+
+
+def _hand_off(settings: Settings, shards: list[xlm.ShardState], code: int) -> int:
+    """The handoff once extraction finished with exit `code`; none while it is incomplete."""
     if code:
         print("SpecForge handoff not written: extraction is incomplete")
         return code

@@ -24,7 +24,7 @@ from datagen.builders.tiny_deepseek import build_tiny_deepseek_v3
 from datagen.builders.tiny_model import build_tiny_llama
 from datagen.extraction import ledger as xlm
 from datagen.extraction.extractor import ExtractionConfig, Extractor
-from datagen.extraction.manifest import shard_name
+from datagen.extraction.manifest import MANIFEST_DIR, shard_name
 from datagen.generation.ledger import connect
 from datagen.training.training_set import extraction_dir
 
@@ -152,7 +152,7 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
         return False
 
     def written(shard: str) -> bool:
-        manifest = extraction_dir(settings) / "manifest" / f"{shard_name(shard)}.jsonl"
+        manifest = extraction_dir(settings) / MANIFEST_DIR / f"{shard_name(shard)}.jsonl"
         return manifest.exists() and b"\n" in manifest.read_bytes()
 
     wait_until(a_mid_shard, 120, 0.01, what="A half way through a shard, a sample written")
