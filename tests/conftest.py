@@ -213,7 +213,7 @@ def durable_stack(tmp_path: Path, durable_redis: RedisServer, tokenizer_dir: Pat
         s.stop()
 
 
-def wait_until(predicate: Any, timeout_s: float = 60.0, interval_s: float = 0.1,
+def wait_until(predicate: Any, timeout_s: float = 180.0, interval_s: float = 0.1,
                what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -241,12 +241,12 @@ def test_lowering_a_budget_closes_at_once_and_raising_it_reopens(stack: Stack) -
     stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
-    wait_until(lambda: ledger.snapshot("B1")["tokens"] > 300, 60, what="some tokens")
+    wait_until(lambda: ledger.snapshot("B1")["tokens"] > 300, 180, what="some tokens")
     # ... held there: the server answers 503 until told otherwise, so the run cannot finish
     # however long the budget command takes to start (the workers wait for the server)
     stack.set_fault(mode="down")
     # (the requests already running finish; every later one is refused and released)
-    wait_until(lambda: ledger.snapshot("B1")["in_flight"] == 0, 60, what="running requests")
+    wait_until(lambda: ledger.snapshot("B1")["in_flight"] == 0, 180, what="running requests")
 
     # When: the budget is lowered below what is committed
     lowered = _budget_cmd(stack, "B1", "200")

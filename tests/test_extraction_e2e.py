@@ -128,7 +128,7 @@ def test_generated_records_become_specforge_files_through_the_gpu_queue(
     # folder is dead-lettered at once; the queue moves on
     for shard in ("training/shards/missing.jsonl", "../../etc/passwd"):
         stack.app().send_task(EXTRACT_TASK, kwargs={"shard": shard}, queue="gpu")
-    wait_until(lambda: r.hlen(xlm.DEAD) == 2, 60, what="dead-lettered shards")
+    wait_until(lambda: r.hlen(xlm.DEAD) == 2, 180, what="dead-lettered shards")
     letters = [json.loads(x) for x in (folder / "dead_letters.jsonl").read_text().splitlines()]
     reasons = {x["shard"]: x["reason"] for x in letters if x["kind"] == "shard"}
     assert len(letters) == 2
@@ -167,7 +167,7 @@ def test_sigkilled_gpu_worker_leaves_no_half_file_and_a_rerun_completes_the_set(
 
     # When: the worker is SIGKILLed while its first shard is half done
     assert datagen(monkeypatch, stack, "extract", "--no-wait") == 0
-    wait_until(lambda: len(manifest_idxs(folder)) >= 6, 60, 0.02, what="first samples")
+    wait_until(lambda: len(manifest_idxs(folder)) >= 6, 180, 0.02, what="first samples")
     gpu.kill()
     r = connect(stack.redis_url)
     assert r.hlen(xlm.DONE) == 0, "the shard finished before the kill"

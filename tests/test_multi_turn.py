@@ -158,7 +158,7 @@ def test_a_worker_killed_between_turns_has_its_sample_redone_and_counted_once(
     Producer(settings, stack.app(), ledger).run()
 
     # When: it is SIGKILLed once its first turn is done and the second has started
-    wait_until(lambda: len(started(stack)) >= 2, 60, what="the second turn to start")
+    wait_until(lambda: len(started(stack)) >= 2, 180, what="the second turn to start")
     victim.kill()
     assert records(settings, "M2") == [] and ledger.snapshot("M2")["stats"].get("samples", 0) == 0
     stack.worker("short", name="rescuer")
@@ -183,13 +183,13 @@ def test_a_close_between_turns_starts_no_further_turn_and_commits_nothing(
     stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
-    wait_until(lambda: len(started(stack)) == 2, 60, what="the second turn to start")
+    wait_until(lambda: len(started(stack)) == 2, 180, what="the second turn to start")
 
     # When: the dataset closes while its second turn runs
     ledger.close("M3", "test")
 
     # Then: the second turn finishes, no third one starts, and nothing is stored or counted
-    wait_until(lambda: ledger.snapshot("M3")["in_flight"] == 0, 60, what="the sample to end")
+    wait_until(lambda: ledger.snapshot("M3")["in_flight"] == 0, 180, what="the sample to end")
     assert len(started(stack)) == 2  # no third turn
     assert records(settings, "M3") == []
     stats = ledger.snapshot("M3")["stats"]

@@ -87,7 +87,7 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
     # Then: the worker is listed, and the closed dataset's dropped tasks show as revoked
     def workers() -> dict[str, Any]:
         return requests.get(f"{url}/api/workers?refresh=1", auth=auth, timeout=20).json()
-    wait_until(lambda: any(name.startswith("short-a@") for name in workers()), 60,
+    wait_until(lambda: any(name.startswith("short-a@") for name in workers()), 180,
                what="Flower to list the worker")
 
     def revoked() -> int:
@@ -109,7 +109,7 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
         tasks = requests.get(f"{url}/api/tasks", params={"state": "WAITING"}, auth=auth,
                              timeout=20).json()
         return len(tasks)
-    wait_until(lambda: waiting() > 0, 30, what="waiting tasks in Flower")
+    wait_until(lambda: waiting() > 0, 120, what="waiting tasks in Flower")
 
     # ... and a dead-lettered sample is a failure to an operator, with its reason
     assert list(ledger.dead("B2")) == ["B2-huge"]
@@ -117,7 +117,7 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
     def failed() -> list[dict[str, Any]]:
         return list(requests.get(f"{url}/api/tasks", params={"state": "FAILURE"}, auth=auth,
                                  timeout=20).json().values())
-    wait_until(lambda: len(failed()) == 1, 30, what="the dead letter as a failure in Flower")
+    wait_until(lambda: len(failed()) == 1, 120, what="the dead letter as a failure in Flower")
     assert "longer than the model's context length" in failed()[0]["exception"]
 
 

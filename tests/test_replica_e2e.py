@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Stack, wait_until
+from conftest import CLI_HANG_S, Stack, wait_until
 from test_extraction_e2e import datagen, manifest_idxs, shard_records, synthetic_records, unacked
 
 from cli.stack import REPO, child_env
@@ -169,13 +169,13 @@ def test_a_killed_rank_takes_its_replica_down_and_the_shard_is_rerun_once_ahead_
         entry = json.loads(raw) if raw else {}
         return entry if entry.get("requeued_at") else None
 
-    wait_until(requeued, 60, 0.02, what="the killed shard re-enqueued")
+    wait_until(requeued, 180, 0.02, what="the killed shard re-enqueued")
     hang = settings.replica_timeout_s if sig == signal.SIGSTOP else 0.0
     entry = requeued()
     assert entry is not None and entry["requeued_by"] == reaper_b
     back = entry["requeued_at"]
     assert back - killed_at <= hang + settings.lease_s + 5
-    wait_until(lambda: not a.alive(), 60, what="replica A down")
+    wait_until(lambda: not a.alive(), 180, what="replica A down")
     # and no copy of the killed shard's message waits in kombu's hashes, to come back after
     # the visibility timeout (rank 0's solo pool ran the early ack only after the task)
     assert unacked(r) == (0, 0)
@@ -219,7 +219,7 @@ def test_a_replica_refuses_to_start_with_one_line(stack: Stack, tmp_path: Path) 
         stack.configure(server_url="http://127.0.0.1:9", **values)
         result = subprocess.run([sys.executable, "-m", "cli.main", "worker", "gpu"], cwd=REPO,
                                 env=child_env(stack.env), capture_output=True, text=True,
-                                timeout=120)
+                                timeout=CLI_HANG_S)
         assert result.returncode == 2, (values, result.stderr[-2000:])
         assert says in result.stderr.strip().splitlines()[-1], result.stderr[-2000:]
 
@@ -236,7 +236,7 @@ def test_sigterm_stops_an_idle_replica_and_all_its_ranks_with_exit_0(stack: Stac
     os.kill(proc.pid, signal.SIGTERM)
 
     # Then: rank 0 stops consuming, tells rank 1 to stop, and the replica exits 0
-    wait_until(lambda: not proc.alive(), 60, what="the replica stopped")
+    wait_until(lambda: not proc.alive(), 180, what="the replica stopped")
     assert proc.proc.returncode == 0, proc.log_text()[-3000:]
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):

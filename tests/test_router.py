@@ -61,7 +61,7 @@ def start_router(stack: Stack, servers: list[str], *args: str) -> Routed:
             return False
         return sorted(w["url"] for w in listed if w["is_healthy"]) == sorted(servers)
 
-    wait_until(all_servers_healthy, 60, what="the router to list both servers healthy")
+    wait_until(all_servers_healthy, 180, what="the router to list both servers healthy")
     return Routed(url, servers, proc)
 
 
@@ -156,7 +156,7 @@ def test_an_abort_sent_to_the_router_reaches_the_server_running_the_request(
     def running_on() -> list[str]:
         return [s for s in routed.servers if of_dataset(journal(s), "B7", "start")]
 
-    wait_until(lambda: running_on(), 30, what="the request to start on a server")
+    wait_until(lambda: running_on(), 120, what="the request to start on a server")
     [runner] = running_on()
 
     # When: the client aborts it by rid, with the router as its server
@@ -222,7 +222,7 @@ def test_a_stopping_worker_behind_the_router_aborts_its_requests_on_their_server
     stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
-    wait_until(lambda: len(ledger.in_flight("B1")) == 2 * SERVER_LIMIT, 60,
+    wait_until(lambda: len(ledger.in_flight("B1")) == 2 * SERVER_LIMIT, 180,
                what="both servers' share in flight")
     rids = {e["rid"] for s in routed.servers for e in of_dataset(journal(s), "B1", "start")}
 

@@ -113,7 +113,7 @@ def test_a_worker_sends_every_task_event_in_a_few_messages(stack: Stack) -> None
     listening = threading.Thread(target=lambda: receiver.capture(limit=None, wakeup=False),
                                  daemon=True)
     listening.start()
-    wait_until(lambda: subscriptions() > alone, 30, what="the event receiver to subscribe")
+    wait_until(lambda: subscriptions() > alone, 120, what="the event receiver to subscribe")
 
     def publishes() -> int:
         return int(r.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
@@ -121,7 +121,7 @@ def test_a_worker_sends_every_task_event_in_a_few_messages(stack: Stack) -> None
 
     # When: the run's tasks go through the worker
     Producer(settings, app, stack.ledger()).run()
-    wait_until(lambda: events.get("task-succeeded", 0) >= samples, 60)
+    wait_until(lambda: events.get("task-succeeded", 0) >= samples, 180)
 
     # Then: the receiver saw each task's received, started and succeeded events, though
     # the worker published them in far fewer messages than tasks (Celery's own flush,

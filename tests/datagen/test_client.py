@@ -70,7 +70,7 @@ def test_an_abort_reaches_the_servers_an_older_router_lists(stack: Stack,
     thread = threading.Thread(target=direct.generate, args=([1, 2], {"max_new_tokens": 4000},
                                                             rid))
     thread.start()
-    wait_until(lambda: any(e["event"] == "start" for e in stack.sim_log()), 30,
+    wait_until(lambda: any(e["event"] == "start" for e in stack.sim_log()), 120,
                what="the request to start")
 
     # When: it is aborted through the router, which has no /abort_request
