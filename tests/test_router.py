@@ -222,9 +222,15 @@ def test_a_stopping_worker_behind_the_router_aborts_its_requests_on_their_server
     stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
-    wait_until(lambda: len(ledger.in_flight("B1")) == 2 * SERVER_LIMIT, 180,
-               what="both servers' share in flight")
-    rids = {e["rid"] for s in routed.servers for e in of_dataset(journal(s), "B1", "start")}
+    # (the ledger counts a request at admission, before its /generate reaches a server: wait
+    # for the servers' own logs too, or a slow last request starts, and is aborted, unseen)
+    def started() -> set[str]:
+        return {e["rid"] for s in routed.servers for e in of_dataset(journal(s), "B1", "start")}
+
+    wait_until(lambda: len(ledger.in_flight("B1")) == 2 * SERVER_LIMIT
+               and len(started()) == 2 * SERVER_LIMIT, 180,
+               what="both servers' share in flight and started on them")
+    rids = started()
 
     # When: it gets SIGTERM
     worker.signal(signal.SIGTERM)
