@@ -2,7 +2,8 @@
 
 A reason is one sample's error text, and most carry numbers of their own (the prompt's
 token count, a port, a request id). Samples are grouped on the reason with those masked,
-so 300 prompts too long for the context make one line with a count, not 300 lines.
+so 300 prompts too long for the context make one line with a count, not 300 lines. Each
+line shows one sample's reason as it was (a real path, a real port), never the masked key.
 The entries are read live from the ledger: a sample that later commits leaves the list.
 """
 
@@ -78,13 +79,16 @@ def render(table: Sequence[DatasetDead]) -> str:
     for d in table:
         lines.append(f"{d.dataset}: {d.count} dead" if d.count else f"{d.dataset}: none dead")
         for g in d.groups:
-            lines.append(f"  {g.count:>6}  {g.reason}")
-            if g.example != g.reason:
-                lines.append(f"          e.g. {g.example}")
+            lines.append(f"  {g.count:>6}  {_shown(g)}")
             shown = ", ".join(g.samples[:SAMPLES_SHOWN])
             more = len(g.samples) - SAMPLES_SHOWN
             lines.append(f"          {shown}" + (f" and {more} more" if more > 0 else ""))
     return "\n".join(lines)
+
+
+def _shown(g: Group) -> str:
+    """A group's line: its first sample's reason, marked as one of many when there are more."""
+    return f"e.g. {g.example}" if g.count > 1 else g.example
 
 
 def top(table: Sequence[DatasetDead], n: int = TOP_REASONS) -> list[tuple[str, Group]]:
@@ -100,7 +104,7 @@ def summary(table: Sequence[DatasetDead], n: int = TOP_REASONS) -> str:
         return ""
     groups = sum(len(d.groups) for d in table)
     lines = [f"dead letters: {total} samples, top reasons (`datagen dead` lists them all):"]
-    lines += [f"  {g.count:>6}  {dataset}  {g.reason}" for dataset, g in top(table, n)]
+    lines += [f"  {g.count:>6}  {dataset}  {_shown(g)}" for dataset, g in top(table, n)]
     if groups > n:
         lines.append(f"  ... and {groups - n} more reasons")
     return "\n".join(lines)
