@@ -114,7 +114,7 @@ extract: install ## enqueue hidden-state extraction of every shard not done, fol
 handoff: install ## (re)write vocab_mapping.pt, draft + SpecForge run config; print `specforge train`
 	$(DATAGEN) handoff $(CFG)
 
-estimate: install ## extraction disk bytes and hours, with the arithmetic (ARGS="--gpus 8")
+estimate: install ## extraction disk bytes and hours (ARGS="--gpus 8 --tokens-per-s N" without a calibration)
 	$(DATAGEN) estimate $(CFG) $(ARGS)
 
 calibrate: install ## measure extraction tokens/s on this machine's GPU for `estimate`

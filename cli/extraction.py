@@ -17,6 +17,7 @@ import redis
 
 from config.settings import Settings
 from datagen.celery_app import EXTRACT_TASK, make_app
+from datagen.errors import PermanentError
 from datagen.extraction import ledger as xlm
 from datagen.extraction import runner
 from datagen.extraction.estimate import (
@@ -30,6 +31,7 @@ from datagen.extraction.manifest import shard_name
 from datagen.generation.committed import Committed
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
+from datagen.generation.records import canonical, iter_records, loss_spans, records_dir
 from datagen.training import draft_config, handoff, training_set
 
 EXIT_INCOMPLETE = 3  # something was dead-lettered (as `produce` does for bad input)
@@ -294,16 +296,37 @@ def _planned_tokens(settings: Settings, args: argparse.Namespace
         return out, "given"
     if args.budgeted:
         return _budgeted_tokens(settings)
+    if prepared := _prepared_tokens(settings):
+        return prepared
     try:
         ledger = _ledger(settings)
         snaps = [ledger.snapshot(ds) for ds in ledger.datasets()]
         done = {s["dataset"]: int(s["stats"].get("prompt_tokens", 0))
                 + int(s["stats"].get("completion_tokens", 0)) for s in snaps}
         if done:
-            return done, "done (prompt + completion), from the ledger"
+            return done, ("done (prompt + completion), from the ledger: before prepare's "
+                          "train_max_length rule (after `datagen prepare`, what it keeps)")
     except redis.RedisError as exc:
         print(f"Redis not reachable ({exc}): counting the records on disk")
-    return _tokens_on_disk(settings), "done (prompt + completion), from the records on disk"
+    return _tokens_on_disk(settings), ("done (prompt + completion), from the records on disk, "
+                                       "less what train_max_length drops and cuts")
+
+
+def _prepared_tokens(settings: Settings) -> tuple[dict[str, int], str] | None:
+    """What extraction will run over once `datagen prepare` ran: each dataset's tokens less
+    what the train_max_length rule drops and cuts (None before prepare)."""
+    try:
+        manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
+    except PermanentError:
+        return None
+    rule = manifest.get("length_rule", {})
+    cuts = rule.get("datasets", {})
+    kept = {ds: int(d["tokens"]) - int(cuts.get(ds, {}).get("dropped_tokens", 0))
+            - int(cuts.get(ds, {}).get("cut_tokens", 0))
+            for ds, d in manifest["datasets"].items()}
+    return kept, (f"the prepared training set (after train_max_length "
+                  f"{rule.get('train_max_length', '?')} drops and cuts), "
+                  f"{training_set.training_dir(settings.output_dir)}")
 
 
 def _budgeted_tokens(settings: Settings) -> tuple[dict[str, int], str]:
@@ -328,16 +351,22 @@ def _budgeted_tokens(settings: Settings) -> tuple[dict[str, int], str]:
 
 
 def _tokens_on_disk(settings: Settings) -> dict[str, int]:
-    from datagen.generation.records import canonical, iter_records, records_dir  # noqa: PLC0415
-
     out = {}
     for ds in datasets_on_disk(settings.output_dir):
         chosen, _, _ = canonical(iter_records(records_dir(settings.output_dir, ds)))
-        out[ds] = sum(len(r.get("prompt_ids") or []) + len(r.get("output_ids") or [])
-                      for r in chosen.values())
+        out[ds] = sum(_kept(settings, r) for r in chosen.values())
     if not out:
         raise ValueError(f"no records under {settings.output_dir}: pass --tokens or --budgeted")
     return out
+
+
+def _kept(settings: Settings, record: dict[str, Any]) -> int:
+    """A record's tokens that extraction will see: prepare's train_max_length rule."""
+    prompt, output = record.get("prompt_ids") or [], record.get("output_ids") or []
+    spans = tuple(tuple(span) for span in loss_spans(record) or ())
+    kept, _ = handoff.kept_length(len(prompt), len(prompt) + len(output), settings.train_max_length,
+                          settings.extract_overlong, spans)
+    return kept
 
 
 def _tokens_per_s(settings: Settings, args: argparse.Namespace) -> tuple[float, str]:

@@ -200,7 +200,9 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
     est.add_argument("--gpus", type=int, default=1,
                      help="gpu workers at once: GPUs, or replicas when calibrated on one")
     est.add_argument("--tokens-per-s", type=float,
-                     help="per gpu worker (default: the calibration)")
+                     help="per gpu worker (default: the file `datagen calibrate` writes on a "
+                          "GPU worker; on a machine with no calibration, e.g. a CPU-only one, "
+                          "this flag is required)")
     cal = parsers["calibrate"]
     cal.add_argument("--seq-len", type=int, default=4096,
                      help="tokens per measured sequence (default 4096)")

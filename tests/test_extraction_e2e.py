@@ -362,3 +362,32 @@ def test_estimate_knows_the_kimi_k25_shape_from_a_preset_or_its_config(
         assert "aux layers [1, 29, 57] of 61" in text
         # (3 aux + 1 final) x 7168 x 2 B = 57,344 B of states per token, + 16 B ids and mask
         assert "x H 7168 x 2 B = 57,344 B of states + 16 B (ids, mask) = 57,360 B" in text
+
+
+def test_estimate_counts_only_what_prepare_keeps_under_train_max_length(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # Given: records of 105-240 tokens, a train_max_length of 150 that drops the longer ones
+    out = tmp_path / "out"
+    synthetic_records(out, 300, 40)
+    lengths = [len(json.loads(x)["prompt_ids"]) + len(json.loads(x)["output_ids"])
+               for x in (out / "records/B1/w.jsonl").read_text().splitlines()]
+    kept = sum(n for n in lengths if n <= 150)
+    assert 0 < kept < sum(lengths)
+    for name, value in (("REDIS_URL", "redis://127.0.0.1:9/0"), ("OUTPUT_DIR", str(out)),
+                        ("TRAIN_MAX_LENGTH", "150"), ("EXTRACT_OVERLONG", "skip")):
+        monkeypatch.setenv(f"DATAGEN_{name}", value)
+    plan = ["estimate", "--hidden-size", "64", "--num-layers", "8", "--tokens-per-s", "1000"]
+
+    # When: estimate before prepare (the records) and after it (the training set)
+    assert main(plan) == 0
+    before = capsys.readouterr().out
+    assert main(["prepare"]) == 0
+    capsys.readouterr()
+    assert main(plan) == 0
+    after = capsys.readouterr().out
+
+    # Then: both count the tokens the length rule keeps, not every record's
+    assert "from the records on disk, less what train_max_length drops" in before
+    assert "the prepared training set (after train_max_length 150" in after
+    for text in (before, after):
+        assert f"{kept:,} tokens x" in text, text

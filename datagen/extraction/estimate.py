@@ -102,8 +102,9 @@ def estimate(tokens_by_dataset: Mapping[str, int], hidden_size: int, num_layers:
     )
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"
+def _size(n: float) -> str:
+    """Bytes in the unit the totals line uses: TB from 1 TB up, else GB."""
+    return f"{n / 1e12:,.2f} TB" if n >= 1e12 else f"{n / 1e9:,.1f} GB"
 
 
 def render(est: Estimate) -> str:
@@ -116,11 +117,11 @@ def render(est: Estimate) -> str:
         f"{'dataset':<24}{'tokens':>16}{'disk':>16}{'hours':>10}",
     ]
     for ds in est.datasets:
-        lines.append(f"{ds.name:<24}{ds.tokens:>16,}{_gb(ds.bytes):>16}{ds.hours:>10.2f}")
+        lines.append(f"{ds.name:<24}{ds.tokens:>16,}{_size(ds.bytes):>16}{ds.hours:>10.2f}")
     lines += [
-        f"{'total':<24}{est.total_tokens:>16,}{_gb(est.total_bytes):>16}{est.hours:>10.2f}",
+        f"{'total':<24}{est.total_tokens:>16,}{_size(est.total_bytes):>16}{est.hours:>10.2f}",
         f"disk  = {est.total_tokens:,} tokens x {est.bytes_per_token:,} B"
-        f" = {est.total_bytes:,} B = {est.total_bytes / 1e12:,.2f} TB",
+        f" = {est.total_bytes:,} B = {_size(est.total_bytes)}",
         f"time  = {est.total_tokens:,} tokens / ({est.tokens_per_s_per_gpu:,.0f} tokens/s"
         f" x {est.n_gpus} GPUs) / 3600 = {est.hours:,.1f} h",
     ]
