@@ -40,6 +40,7 @@ install: $(VENV)/.installed ## create .venv and install the project with its tes
 # SGLang 0.5.23 exactly as locked, with its own torch (PyPI's CUDA build, which runs on a CPU):
 # ~9.5 GB, about a minute with uv.
 $(SGLANG_VENV)/.installed: requirements/sglang-lock.txt | $(VENV)/.installed
+	@echo "installing SGLang 0.5.23 into $(SGLANG_VENV) (once): ~9.5 GB on disk with its own torch"
 	rm -rf $(SGLANG_VENV)
 	$(VENV)/bin/uv venv -q --python $(PYTHON) $(SGLANG_VENV)
 	$(VENV)/bin/uv pip install -q --python $(SGLANG_VENV)/bin/python --no-deps \

@@ -19,15 +19,21 @@ real CPU server decodes a few hundred tokens/s, so its settings
 from __future__ import annotations
 
 import argparse
+import fcntl
+import json
 import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import redis
+
 from cli import sglang
-from cli.extraction import cmd_extract, committed_maps, decoder
+from cli.extraction import EXIT_INCOMPLETE, cmd_extract, committed_maps, decoder
 from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import load_settings
@@ -62,6 +68,35 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     config = SGLANG_CONFIG if real else DEMO_CONFIG
     workdir = Path(args.workdir).resolve()
+    with demo_lock(workdir) as held_by:
+        if held_by is not None:
+            print(f"demo: another demo (pid {held_by}) is running in {workdir}; wait for it "
+                  "to end, or pass --workdir for a second one", file=sys.stderr)
+            return 2
+        return _run(args, real, config, workdir, started)
+
+
+@contextmanager
+def demo_lock(workdir: Path) -> Iterator[int | None]:
+    """An exclusive lock on ``<workdir>.lock`` (outside the folder, which the demo empties):
+    yields None when taken, else the pid of the demo holding it. Released on any exit."""
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    with open(workdir.with_name(workdir.name + ".lock"), "a+", encoding="utf-8") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            yield int(fh.read().strip() or 0)
+            return
+        fh.seek(0)
+        fh.truncate()
+        fh.write(str(os.getpid()))
+        fh.flush()
+        yield None
+
+
+def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
+         started: float) -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     logs = workdir / "logs"
     logs.mkdir(parents=True)
@@ -70,20 +105,21 @@ def run_demo(args: argparse.Namespace) -> int:
     encoder = ChatEncoder(tokenizer)
     procs: list[Process] = []
     with RedisServer(workdir=workdir / "redis") as redis_server:
+        env = {"DATAGEN_CONFIG": str(config), "DATAGEN_REDIS_URL": redis_server.url,
+               "DATAGEN_OUTPUT_DIR": str(workdir / "output"),
+               "DATAGEN_TOKENIZER_PATH": str(tokenizer)}
         try:
             server, url = (_start_sglang(workdir, tokenizer, encoder.vocab_size) if real
                            else _start_simulator(workdir, encoder))
             procs.append(server)
-            env = {"DATAGEN_CONFIG": str(config), "DATAGEN_REDIS_URL": redis_server.url,
-                   "DATAGEN_SERVER_URL": url, "DATAGEN_OUTPUT_DIR": str(workdir / "output"),
-                   "DATAGEN_TOKENIZER_PATH": str(tokenizer)}
+            env["DATAGEN_SERVER_URL"] = url
             os.environ.update(env)
             print(f"demo: redis {redis_server.url}, {server.name} {url}", flush=True)
             workers = [start_worker(q, child_env(env), logs) for q in ("short", "long")]
             procs += workers
             wait_for_workers(redis_server.url, 2, procs=workers)
             print("demo: short and long workers are up", flush=True)
-            _produce_and_follow(started, config, timeout_s=900 if real else 240)
+            died = _produce_and_follow(started, config, timeout_s=900 if real else 240)
             for proc in (*workers, server):  # generation is over: the CPU goes to extraction
                 proc.stop()
             env.update(EXTRACT_ENV, DATAGEN_MODEL_PATH=str(workdir / "model"))
@@ -92,11 +128,16 @@ def run_demo(args: argparse.Namespace) -> int:
                 _build_model(workdir, tokenizer, encoder.vocab_size)  # the gpu worker checks it
             print("\nextraction: one gpu worker on the CPU", flush=True)
             procs.append(start_worker("gpu", child_env(env), logs))
-            return _extract(started, config)
+            code = _extract(started, config)
+            if died:
+                print(f"demo: {died} samples were dead-lettered in generation (reasons above; "
+                      "`datagen dead` lists them): the demo did not succeed")
+            return code or (EXIT_INCOMPLETE if died else 0)
         finally:
             if not args.keep:
                 for proc in reversed(procs):
                     proc.stop()
+            _save_ledger(redis_server, workdir, config, env)
 
 
 def _start_simulator(workdir: Path, encoder: ChatEncoder) -> tuple[Process, str]:
@@ -127,6 +168,10 @@ def _produce_and_follow(started: float, config: Path, timeout_s: float) -> int:
     ledger = Ledger.from_settings(settings)
     reports = Producer(settings, app, ledger).run()
     print(render_produce(reports), flush=True)
+    if bad := sum(r.bad_count for r in reports):
+        print(f"demo: the {bad} skipped lines are deliberate: the bundled partition carries bad "
+              f"lines to show how bad input is reported (file, line, reason) while the rest "
+              f"runs; see {settings.output_dir}/reports/", flush=True)
     table = follow(ledger, 1.0, app=app, timeout_s=timeout_s)
     print("\nsummary")
     print_summary(ledger, table)
@@ -134,7 +179,38 @@ def _produce_and_follow(started: float, config: Path, timeout_s: float) -> int:
     closed = [r.dataset for r in table if r.state.startswith("closed")]
     print(f"\ngeneration finished in {time.monotonic() - started:.0f}s; closed by budget: "
           f"{', '.join(closed) or 'none'}; records under {settings.output_dir}", flush=True)
-    return 0
+    if closed:
+        print(f"demo: a close lands past its budget by what the requests already in flight "
+              f"still generate (up to {settings.short_concurrency} of them here), a larger "
+              f"share of a demo's small budget than of a production one "
+              f"(docs/BENCHMARKS.md, budget precision)", flush=True)
+    return sum(len(ledger.dead(r.dataset)) for r in table)
+
+
+def _save_ledger(redis_server: RedisServer, workdir: Path, config: Path,
+                 env: dict[str, str]) -> None:
+    """Leave the run inspectable once its Redis is gone: the ledger saved to
+    ``<workdir>/redis/dump.rdb`` and ``<workdir>/datagen.toml`` naming it (``saved_ledger``)
+    with the run's folders, so `datagen status|dead|plot|estimate --config` answer from it."""
+    try:
+        redis.Redis.from_url(redis_server.url).save()
+    except redis.RedisError as exc:
+        print(f"demo: could not save the ledger ({exc}); `datagen status` will not see this run")
+        return
+    keys = {"output_dir": env.get("DATAGEN_OUTPUT_DIR"),
+            "tokenizer_path": env.get("DATAGEN_TOKENIZER_PATH"),
+            "model_path": env.get("DATAGEN_MODEL_PATH"),
+            "saved_ledger": str(redis_server.workdir / "dump.rdb")}
+    head = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if v)
+    settings_file = workdir / "datagen.toml"
+    settings_file.write_text(f"# Written by `datagen demo`: this run's settings, its ledger saved "
+                             f"at the end.\n{head}\n{config.read_text(encoding='utf-8')}",
+                             encoding="utf-8")
+    shown = os.path.relpath(settings_file)
+    shown = settings_file if shown.startswith("..") else shown
+    print(f"demo: look at this run later (its Redis is stopped, the ledger saved): "
+          f".venv/bin/datagen status --config {shown}  (also dead, plot, "
+          f"estimate --preset kimi-k2.5 --tokens-per-s N)", flush=True)
 
 
 DEMO_LAYERS = 8
@@ -171,8 +247,6 @@ def _extract(started: float, config: Path) -> int:
 
 def _check_one_file(out: Path, shard: str, output_dir: str) -> str:
     """Load the first sample's file and compare it with its record, as SpecForge reads it."""
-    import json  # noqa: PLC0415
-
     import torch  # noqa: PLC0415
 
     with open(Path(output_dir) / shard, encoding="utf-8") as fh:

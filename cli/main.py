@@ -6,7 +6,8 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
 }
 ALL_FLAGS = tuple(RUN_FLAGS)
 LEDGER_FLAGS = ("--redis-url",)
+# What may answer from a finished run's saved ledger (the saved_ledger setting): reads only.
+SAVED_LEDGER_COMMANDS = ("status", "dead", "plot", "estimate")
 # The settings flags each subcommand reads; the commands that produce (or start the processes
 # that generate) take them all. `demo` brings its own settings.
 COMMAND_FLAGS: dict[str, tuple[str, ...]] = {
@@ -210,6 +213,17 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
                      help="forward batches to time after one warm-up (default 4)")
 
 
+def _from_saved_ledger(handler: Callable[[Settings, argparse.Namespace], int | None],
+                       settings: Settings, args: argparse.Namespace) -> int:
+    """A read-only command on a finished run's saved ledger: a throwaway Redis on a copy."""
+    from cli.saved import saved_ledger  # noqa: PLC0415
+
+    print(f"datagen {args.command}: reading the ledger saved at {settings.saved_ledger} "
+          "(saved_ledger), not redis_url", file=sys.stderr)
+    with saved_ledger(Path(settings.saved_ledger)) as url:
+        return int(handler(replace(settings, redis_url=url), args) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("DATAGEN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -228,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     handler = getattr(commands, f"cmd_{args.command}")
     try:
+        if settings.saved_ledger and args.command in SAVED_LEDGER_COMMANDS:
+            return _from_saved_ledger(handler, settings, args)
         return int(handler(settings, args) or 0)
     except KeyboardInterrupt:
         return 130

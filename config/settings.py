@@ -46,6 +46,8 @@ class SettingsError(ValueError):
 class Settings:
     # Where things are.
     redis_url: str = "redis://127.0.0.1:6379/0"  # broker + ledger; :password@, rediss:// TLS
+    # A finished run whose Redis is gone (`make demo` leaves one): its saved dump.rdb.
+    saved_ledger: str = ""  # status, dead, plot and estimate read this dump, not redis_url
     server_url: str = "http://127.0.0.1:30000"  # SGLang server or router (/generate)
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset

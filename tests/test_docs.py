@@ -228,3 +228,65 @@ def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
     aux = json.loads((work / "output" / "training" / "hidden_states" / "extraction.json")
                      .read_text())["aux_layer_ids"]
     assert len(set(aux)) == 3, aux
+    # its deliberate bad lines and its close past a small budget are explained, not alarming
+    assert "skipped lines are deliberate" in result.stdout
+    assert "a close lands past its budget by what the requests already in flight" in result.stdout
+
+    # Then: with the demo's Redis gone, the commands it names answer on its run
+    line = next(x for x in result.stdout.splitlines() if "look at this run later" in x)
+    status = line.split("saved): ", 1)[1].split("  (also")[0].split()
+    assert status[:2] == [".venv/bin/datagen", "status"], line
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([status[0], *argv, *status[2:]], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    shown = run("status")
+    assert shown.returncode == 0, shown.stderr
+    assert "B1_chat     closed at budget" in shown.stdout and "A1_code     done" in shown.stdout
+    dead = run("dead")
+    assert dead.returncode == 0 and "B1_chat: none dead" in dead.stdout, dead.stderr
+    plan = run("estimate", "--preset", "kimi-k2.5", "--tokens-per-s", "1000")
+    assert plan.returncode == 0, plan.stderr
+    assert "the prepared training set (after train_max_length" in plan.stdout
+
+
+def test_a_second_demo_on_the_same_folder_is_refused_with_one_line(tmp_path: Path) -> None:
+    from cli.demo import demo_lock
+
+    work = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    with demo_lock(work) as held_by:  # Given: a demo running in the folder
+        assert held_by is None
+        (work / "keep.txt").parent.mkdir(parents=True, exist_ok=True)
+        (work / "keep.txt").write_text("the running demo's file")
+        # When: a second demo starts on it
+        second = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--workdir",
+                                 str(work)], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=300)
+    # Then: refused at once, one line naming the running demo; its folder untouched
+    assert second.returncode == 2
+    assert second.stderr.strip() == (f"demo: another demo (pid {os.getpid()}) is running in "
+                                     f"{work}; wait for it to end, or pass --workdir for a "
+                                     "second one")
+    assert (work / "keep.txt").read_text() == "the running demo's file"
+    with demo_lock(work) as held_by:  # and the lock is free again once the first one ends
+        assert held_by is None
+
+
+@pytest.mark.slow
+def test_a_demo_whose_samples_were_dead_lettered_does_not_report_success(
+        tmp_path: Path) -> None:
+    # Given: responses cut at 64 tokens, and cut responses dead-lettered
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    env.update(DATAGEN_KEEP_TRUNCATED="false", DATAGEN_SHORT_MAX_TOKENS="64",
+               DATAGEN_LONG_MAX_TOKENS="64")
+    work = tmp_path / "demo"
+    # When: the demo runs
+    result = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--workdir", str(work)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # Then: it names the dead letters and exits 3, not 0
+    assert result.returncode == 3, (result.stdout + result.stderr)[-4000:]
+    assert "dead letters:" in result.stdout
+    assert "samples were dead-lettered in generation" in result.stdout
+    assert "the demo did not succeed" in result.stdout
