@@ -247,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(settings, args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (LedgerUnavailable, redis.exceptions.ConnectionError) as exc:
+    except (LedgerUnavailable, redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError) as exc:
         print(f"datagen {args.command}: error: cannot reach Redis at redis_url "
               f"{masked_url(settings.redis_url)}: {exc}", file=sys.stderr)
         return 2

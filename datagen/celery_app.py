@@ -19,6 +19,11 @@ from datagen import broker
 GENERATE_TASK = "datagen.generate"
 EXTRACT_TASK = "datagen.extract"
 QUEUES = ("short", "long", "gpu")
+# kombu's Redis transport: replies within 5 s (its BRPOP waits 1 s), connects within 3 s,
+# and its BRPOP and pub/sub connections checked every 4 s, so a consumer on a connection cut
+# silently reconnects within about 10 s instead of waiting on it forever.
+BROKER_SOCKET_OPTIONS = {"socket_timeout": 5.0, "socket_connect_timeout": 3.0,
+                         "socket_keepalive": True, "health_check_interval": 4}
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
@@ -30,7 +35,10 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_acks_late": False,
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s},
+        # Every socket with a timeout and keepalive: a broker cut silently (packets dropped,
+        # no reset) must not block a publish or a fetch for minutes (RELIABILITY.md).
+        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout_s,
+                                     **BROKER_SOCKET_OPTIONS},
         "task_ignore_result": True,
         "result_backend": None,
         "task_serializer": "json",

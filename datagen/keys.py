@@ -37,6 +37,10 @@ def worker_alive(worker_id: str) -> str:
 # STRING owner id with a TTL of a second, dropped after the pass: the one process reaping
 # stale leases now (liveness.REAP_LOCK_S).
 REAPER_LOCK = PREFIX + "reaper_lock"
+# STRING Redis time (s) at which the fleet's current stretch of contact with Redis began, kept
+# alive by every successful heartbeat for half a lease (contact.lua): a reaper reaps only once
+# it is a lease old, so after an outage every live worker has renewed its leases first.
+CONTACT_SINCE = PREFIX + "contact_since"
 
 
 # Celery's queues on Redis: kombu keeps one LIST per priority step (0 is served first), so a

@@ -14,17 +14,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from rich.live import Live
 
 from datagen.errors import LedgerUnavailable
 from datagen.generation.guard import enqueue, on_closed
-from datagen.generation.ledger import Ledger
+from datagen.generation.ledger import REDIS_AWAY, Ledger
 from datagen.generation.liveness import sweep
 from datagen.operations import status as status_mod
 
 STALL_SWEEP_S = 3.0
-OUTAGES = (LedgerUnavailable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+OUTAGES = (LedgerUnavailable, *REDIS_AWAY)
 
 
 class Follower:

@@ -20,6 +20,8 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from config.settings import Settings, masked_url
 from datagen import keys
@@ -81,11 +83,26 @@ def _script(name: str) -> str:
             + folder.joinpath(name).read_text(encoding="utf-8"))
 
 
+# What "Redis is away" looks like to a client: refused or reset (ConnectionError), or a
+# silent network that lets a connect or a reply time out (TimeoutError, not a subclass).
+REDIS_AWAY = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+SOCKET_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 3.0
+
+
 def connect(url: str) -> redis.Redis:
-    """A client whose pool is shared by all threads of a worker process."""
+    """A client whose pool is shared by all threads of a worker process.
+
+    Every ledger call takes milliseconds, so a silent network (packets dropped, no reset)
+    shows within seconds: a reply waits at most SOCKET_TIMEOUT_S, a connect
+    CONNECT_TIMEOUT_S, with two quick retries; TCP keepalive finds a dead peer on an idle
+    connection. Longer outages are waited out above, where the step is known (the runner's
+    commits and admissions, the heartbeat)."""
+    tcp = {} if url.startswith("unix:") else {"socket_keepalive": True}
     return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30,
-                                socket_connect_timeout=5, socket_timeout=30,
-                                retry_on_timeout=True)
+                                socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                socket_timeout=SOCKET_TIMEOUT_S,
+                                retry=Retry(ExponentialBackoff(cap=0.5, base=0.1), 2), **tcp)
 
 
 def owner_id(host: str, pid: int) -> str:
@@ -94,7 +111,7 @@ def owner_id(host: str, pid: int) -> str:
 
 
 class Ledger:
-    SCRIPTS = ("admit", "commit", "release", "renew", "reap", "unpark")
+    SCRIPTS = ("admit", "commit", "release", "renew", "reap", "unpark", "contact")
 
     def __init__(self, client: redis.Redis, settings: Settings):
         self.r = client
@@ -220,12 +237,20 @@ class Ledger:
                        args=args, client=pipe)
             return sum(int(x) for x in self._call(pipe.execute))
 
-    def reap(self, dataset: str) -> list[Reclaimed]:
-        """Reclaim the dataset's in-flight entries whose lease is stale, whoever owns them."""
+    def reap(self, dataset: str, min_contact_s: float = 0.0) -> list[Reclaimed]:
+        """Reclaim the dataset's in-flight entries whose lease is stale, whoever owns them;
+        with ``min_contact_s``, only when the fleet has been in touch with Redis that long
+        (contact.lua), checked when the script runs."""
         ks = [self.k(dataset, p) for p in (keys.INFLIGHT, keys.BUCKETS, keys.LEASES,
                                             keys.PENDING, keys.STATS, keys.CLOSED)]
-        flat = self._run("reap", ks, [REAP_BATCH])
+        flat = self._run("reap", [*ks, keys.CONTACT_SINCE], [REAP_BATCH, min_contact_s])
         return [Reclaimed(dataset, *flat[i:i + 5]) for i in range(0, len(flat), 5)]
+
+    def contact(self, ttl_s: float) -> float:
+        """Mark the fleet's contact with Redis (contact.lua); returns how long (s, Redis
+        time) the current stretch of contact has lasted."""
+        since, now = self._run("contact", [keys.CONTACT_SINCE], [max(1, int(ttl_s * 1000))])
+        return float(now) - float(since)
 
     def unpark(self, dataset: str, count: int = 0) -> list[str]:
         """Wake ``count`` parked samples (0: all); returns their payloads to enqueue."""
@@ -241,7 +266,7 @@ class Ledger:
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except redis.exceptions.ConnectionError as exc:
+        except REDIS_AWAY as exc:
             raise LedgerUnavailable(f"Redis unreachable: {exc}") from exc
 
     # -- the length model used by admission ---------------------------------------

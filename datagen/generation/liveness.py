@@ -4,9 +4,11 @@ Tasks are acked early, so when a worker dies its in-flight samples exist only as
 ledger entries, each with a lease its owner's heartbeat renews. Any live worker's
 reaper reclaims entries whose lease went stale, whoever owned them, and re-enqueues
 their samples ahead of fresh work; ``commit.lua`` counts a sample once however often
-it runs. A reaper reaps only after a full lease of unbroken contact with Redis: after
-an outage, every live worker has renewed its leases by then, so live requests are
-never taken for dead ones.
+it runs. A reaper reaps only right after a beat of its own reached Redis, and only once
+the fleet has been in unbroken contact with Redis for a full lease (``contact.lua``):
+after an outage every live worker has renewed its leases by then, so live requests are
+never taken for dead ones, while a reaper started during a healthy run (a worker that
+replaces a dead one) reaps at once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ Requeue = Callable[[Job], None]
 REAP_LOCK_S = 1.0
 # A reaper looks again no sooner than this after finding the lock held or a deadline passed.
 REAP_RETRY_S = 0.05
+# After a failed beat (Redis away), the next one comes this soon: a healed worker renews its
+# leases and takes contact again within a moment of the heal, not a third of a lease later.
+RETRY_BEAT_S = 0.5
 
 
 class Heartbeat:
@@ -49,7 +54,8 @@ class Heartbeat:
         self.lease_s = lease_s
         self.requeue = requeue
         self._stop = threading.Event()
-        self._connected_since: float | None = None
+        self._in_touch = False  # the last beat reached Redis
+        self._fleet_since: float | None = None  # monotonic start of the fleet's contact
         self._next_reap = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="datagen-heartbeat",
                                         daemon=True)
@@ -66,47 +72,61 @@ class Heartbeat:
             log.warning("heartbeat stop: %s", exc)
 
     def beat(self) -> None:
-        """Presence, lease renewal and deferred releases, in that order."""
+        """Presence, lease renewal and deferred releases, in that order; then the mark of
+        the fleet's contact, which tells since when the fleet has been in touch."""
         self.ledger.r.set(keys.worker_alive(self.book.owner), "1", px=int(self.lease_s * 1000))
         for payload in self.book.renew():
             self.requeue(Job.from_payload(json.loads(payload)))
+        lasted = self.ledger.contact(self.lease_s / 2)
+        self._fleet_since = time.monotonic() - lasted
 
     def _loop(self) -> None:
         next_beat = time.monotonic() + self.lease_s / 3
         while not self._stop.wait(max(0.0, min(next_beat, self._next_reap) - time.monotonic())):
             if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + self.lease_s / 3
                 self._tick()
+                next_beat = time.monotonic() + (self.lease_s / 3 if self._in_touch
+                                                else min(RETRY_BEAT_S, self.lease_s / 3))
             else:
                 self._guarded(self._reap_when_due)
 
     def _tick(self) -> None:
-        self._guarded(self.beat)
-        self._guarded(self._reap_when_due)
+        was_in_touch, had_contact = self._in_touch, self._fleet_since is not None
+        self._in_touch = self._guarded(self.beat)
+        if self._in_touch and not was_in_touch and had_contact:
+            log.info("heartbeat: in touch with Redis again")
+        if self._in_touch:  # a reap pass only right after a beat of its own got through
+            self._guarded(self._reap_when_due)
 
-    def _guarded(self, step: Callable[[], None]) -> None:
+    def _guarded(self, step: Callable[[], None]) -> bool:
         try:
             step()
-            self._connected_since = self._connected_since or time.monotonic()
-        except Exception as exc:  # Redis restarting: keep beating, and start over
-            self._connected_since = None
-            self._next_reap = time.monotonic() + self.lease_s / 3
-            log.warning("heartbeat: %s", exc)
+            return True
+        except Exception as exc:  # Redis away or restarting: keep beating, reap later
+            if self._in_touch:
+                log.warning("heartbeat: Redis unreachable (%s); beating every %.1fs until "
+                            "it answers", exc, RETRY_BEAT_S)
+            self._in_touch = False
+            self._next_reap = float("inf")  # the next beat that gets through decides
+            return False
 
     def _reap_when_due(self) -> None:
         """Reap if a lease is past its deadline (under the reaper lock), then set when to
         look next: the earliest deadline still ahead, or the lock's end."""
         now = time.monotonic()
-        if self._connected_since is None or now - self._connected_since < self.lease_s:
-            # Not a full lease of contact yet: live workers may not have renewed since.
-            self._next_reap = (self._connected_since or now) + self.lease_s
+        if not self._in_touch or self._fleet_since is None:
+            self._next_reap = float("inf")  # the next beat that gets through decides
+            return
+        if now - self._fleet_since < self.lease_s:
+            # The fleet has not been in touch for a lease: live workers may not have renewed.
+            self._next_reap = self._fleet_since + self.lease_s
             return
         due_in = lease_due_in(self.ledger)
         if due_in is not None and due_in <= 0:
             if self.ledger.r.set(keys.REAPER_LOCK, self.book.owner, nx=True,
                                  px=int(REAP_LOCK_S * 1000)):
                 try:
-                    reap(self.ledger, self.requeue)
+                    reap(self.ledger, self.requeue, min_contact_s=self.lease_s)
                 finally:
                     release_reaper_lock(self.ledger, self.book.owner)
                 due_in = lease_due_in(self.ledger)
@@ -143,13 +163,14 @@ def release_reaper_lock(ledger: Ledger, owner: str) -> None:
             return
 
 
-def reap(ledger: Ledger, requeue: Requeue) -> int:
+def reap(ledger: Ledger, requeue: Requeue, min_contact_s: float = 0.0) -> int:
     """Re-enqueue the samples of in-flight entries whose lease is stale; returns how many.
     Each reclaimed entry's request is aborted by its exact rid on its server first: a
-    killed worker's requests otherwise decode on to their caps beside their re-runs."""
+    killed worker's requests otherwise decode on to their caps beside their re-runs.
+    ``min_contact_s``: reap only after that long of the fleet's contact with Redis."""
     count = 0
     for dataset in ledger.datasets():
-        reaped = ledger.reap(dataset)
+        reaped = ledger.reap(dataset, min_contact_s)
         abort_entries(ledger, [{"rid": g.rid, "server": g.server} for g in reaped])
         for gone in reaped:
             log.warning("%s/%s: lease of %s went stale mid-request; its request aborted, "

@@ -26,7 +26,7 @@ from datagen.errors import (
 )
 from datagen.generation.job import Job, Prompt, read_prompt
 from datagen.generation.lease import Lease, LeaseBook
-from datagen.generation.ledger import Admission, Commit, Ledger, owner_id
+from datagen.generation.ledger import REDIS_AWAY, Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter
 from datagen.generation.turns import Stopped, generate_turns
 
@@ -232,7 +232,7 @@ def _until_ledger(step: Callable[[], T], what: str) -> T:
     while True:
         try:
             return step()
-        except LedgerUnavailable as exc:
+        except (LedgerUnavailable, *REDIS_AWAY) as exc:
             if time.monotonic() > deadline:
                 raise
             if not warned:

@@ -268,6 +268,26 @@ def test_a_stale_lease_is_reclaimed_whoever_owns_it_and_a_live_one_is_not(
     assert led.reap("A") == []  # exactly one reaper gets each entry
 
 
+def test_a_reap_waits_for_the_fleets_contact_with_redis_when_it_runs(redis_url: str) -> None:
+    # Given: a stale entry, and no contact marked yet (a partition just healed, say)
+    led = _ledger(redis_url, lease_s=0.2)
+    led.add_pending("A", {"s1": '{"sample": "s1"}'})
+    led.admit("A", "s1", "r1", "gone-owner", 5, 100)
+    time.sleep(0.3)
+    # When/Then: a reap that needs a lease of contact reclaims nothing until there has been
+    # that much, measured when the script runs
+    assert led.reap("A", min_contact_s=0.5) == []
+    assert led.contact(ttl_s=5.0) < 0.1  # a beat starts the stretch of contact
+    assert led.reap("A", min_contact_s=0.5) == []
+    time.sleep(0.6)
+    assert led.contact(ttl_s=5.0) >= 0.5  # later beats keep its start
+    assert [r.sample for r in led.reap("A", min_contact_s=0.5)] == ["s1"]
+    # ... and once no beat kept it alive, contact starts over
+    led.r.pexpire(keys.CONTACT_SINCE, 1)
+    time.sleep(0.05)
+    assert led.contact(ttl_s=5.0) < 0.1
+
+
 def test_a_stale_entry_does_not_block_a_new_admission(redis_url: str) -> None:
     led = _ledger(redis_url, lease_s=0.2)
     led.admit("A", "s1", "r1", "dead-owner", 5, 100)

@@ -2,11 +2,19 @@
 -- was restarted (a new owner id), or lost a release in a Redis blip. Atomic, so exactly
 -- one reaper re-enqueues each sample.
 -- KEYS[1] flight  KEYS[2] buckets  KEYS[3] leases  KEYS[4] pending  KEYS[5] stats
--- KEYS[6] closed flag
+-- KEYS[6] closed flag  KEYS[7] the fleet's contact-since key (contact.lua)
 -- ARGV[1] most entries to reclaim in this call
+-- ARGV[2] seconds of unbroken fleet contact required first (0: none). Checked here, at the
+-- moment the script runs: a reaper's call sent before a partition and delivered after it
+-- must not act on what it saw before (live workers have not renewed yet).
 -- Returns {sample, payload or "", worker, rid, server, ...} for every entry reclaimed
 -- (rid and server: the reaper aborts the dead owner's request, which runs on otherwise).
 local now = redis_now()
+local need = tonumber(ARGV[2] or '0')
+if need > 0 then
+  local since = tonumber(redis.call('GET', KEYS[7]) or '')
+  if not since or now - since < need then return {} end
+end
 local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local closed = redis.call('EXISTS', KEYS[6]) == 1
 local out = {}

@@ -1,0 +1,13 @@
+-- The fleet's unbroken contact with Redis, marked by every successful heartbeat.
+-- The key holds the Redis time at which the current stretch of contact began; each beat
+-- keeps it alive for ARGV[1] ms (half a lease, longer than the beat interval of a third).
+-- When no worker reached Redis for that long (Redis unreachable, restarted or emptied), the
+-- key is gone and the next beat starts a new stretch: reapers then wait a lease, so every
+-- live worker renews first. A reaper that starts while the fleet is in touch reaps at once.
+-- KEYS[1] contact-since key
+-- ARGV[1] ttl in ms
+-- Returns {since, now} (Redis time, seconds, as strings).
+local now = redis_now()
+redis.call('SET', KEYS[1], string.format('%.6f', now), 'NX')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return {redis.call('GET', KEYS[1]), string.format('%.6f', now)}

@@ -1,0 +1,214 @@
+"""The fleet across hosts: silent partitions between real network stacks.
+
+Redis, the server (the simulator), two worker hosts and a control host running `datagen
+run` are network namespaces on a bridge (tests/net/lab.py); a cut drops every packet
+between two hosts without a reset, as a real partition does. Each case is checked from the
+server's request log, the records and the ledger: nothing lost, nothing counted twice, no
+live request reaped, the run finishing by itself, no traceback for a network event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import wait_until, write_jsonl
+from net.lab import Lab, unavailable_reason
+from sglang_fixture import in_ci
+
+from cli.stack import Process, child_env
+from config.settings import Settings, load_settings
+from datagen import keys
+from datagen.generation.ledger import Ledger, connect
+from datagen.generation.merge import merge_dataset
+from datagen.redis_server import redis_binary
+
+pytestmark = [pytest.mark.chaos, pytest.mark.net]
+REDIS_PORT, SERVER_PORT = 6379, 30000
+WORKERS = ("w1", "w2")
+
+
+@pytest.fixture(scope="module")
+def can_make_hosts() -> None:
+    reason = unavailable_reason()
+    if reason and in_ci():
+        pytest.fail(f"CI must run the multi-host tests: {reason}", pytrace=False)
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
+
+
+@dataclass
+class Fleet:
+    lab: Lab
+    env: dict[str, str]
+    sock: Path
+    requests_log: Path
+    procs: dict[str, Process] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> Settings:
+        return load_settings(None, env=self.env)
+
+    def ledger(self) -> Ledger:
+        return Ledger(connect(f"unix://{self.sock}"), self.settings)
+
+    def worker(self, host: str) -> Process:
+        proc = self.lab.spawn(host, f"worker-{host}", [
+            sys.executable, "-m", "cli.main", "worker", "short", "-n", f"{host}@%h"],
+            child_env(self.env))
+        self.procs[host] = proc
+        return proc
+
+    def run(self) -> Process:
+        proc = self.lab.spawn("control", "run", [
+            sys.executable, "-m", "cli.main", "run", "--interval", "0.5"], child_env(self.env))
+        self.procs["run"] = proc
+        return proc
+
+    def starts(self) -> list[dict[str, Any]]:
+        lines = self.requests_log.read_text().splitlines() if self.requests_log.exists() else []
+        return [e for e in map(json.loads, lines) if e["event"] == "start"]
+
+    def wait_exit(self, proc: Process, timeout_s: float = 600.0) -> int:
+        wait_until(lambda: not proc.alive(), timeout_s, 0.2, what=f"{proc.name} to exit")
+        return proc.proc.returncode
+
+
+@pytest.fixture
+def fleet(request: pytest.FixtureRequest, can_make_hosts: None, tmp_path: Path,
+          tokenizer_dir: Path, encoder: Any) -> Iterator[Fleet]:
+    """Hosts redis, server, w1, w2 and control; Redis and the server started on theirs."""
+    samples, lease_s, sim_args = request.param
+    gw = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    with Lab(tmp_path, int(gw) if gw.isdigit() else 0) as lab:
+        for name in ("redis", "server", *WORKERS, "control"):
+            lab.host(name)
+        sock = tmp_path / "redis.sock"
+        lab.spawn("redis", "redis", [
+            redis_binary(), "--bind", lab.hosts["redis"].ip, "--port", str(REDIS_PORT),
+            "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", "--dir", str(tmp_path)])
+        wait_until(lambda: _pings(sock), 120, what="Redis on its host")
+        requests_log = tmp_path / "requests.jsonl"
+        sim = lab.spawn("server", "simulator", [
+            sys.executable, "-u", "-m", "simulator", "--host", lab.hosts["server"].ip,
+            "--port", str(SERVER_PORT), "--vocab-size", str(encoder.vocab_size),
+            "--eos-token-id", str(encoder.eos_token_id), "--request-log", str(requests_log),
+            *sim_args])
+        lab.wait_log(sim, "SIMULATOR_READY")
+        write_jsonl(tmp_path / "partition" / "B1.jsonl",
+                    [{"id": f"B1-{i:03d}", "prompt": f"question number {i}"}
+                     for i in range(samples)])
+        values = {"redis_url": f"redis://{lab.hosts['redis'].ip}:{REDIS_PORT}/0",
+                  "server_url": f"http://{lab.hosts['server'].ip}:{SERVER_PORT}",
+                  "output_dir": str(tmp_path / "out"), "data_dir": str(tmp_path / "partition"),
+                  "tokenizer_path": str(tokenizer_dir), "lease_s": str(lease_s),
+                  "short_concurrency": "2", "short_max_tokens": "2000",
+                  "retry_backoff_s": "0.2", "read_timeout_s": "300"}
+        fleet = Fleet(lab, {f"DATAGEN_{k.upper()}": v for k, v in values.items()}, sock,
+                      requests_log)
+        for host in WORKERS:
+            fleet.worker(host)
+        wait_until(lambda: _alive_workers(sock) >= len(WORKERS), 600, 0.2,
+                   what="both workers up")
+        yield fleet
+
+
+def _pings(sock: Path) -> bool:
+    try:
+        return bool(redis.Redis(unix_socket_path=str(sock)).ping())
+    except redis.RedisError:
+        return False
+
+
+def _alive_workers(sock: Path) -> int:
+    client = redis.Redis(unix_socket_path=str(sock))
+    return sum(1 for _ in client.scan_iter(keys.worker_alive("*")))
+
+
+def assert_exact(fleet: Fleet, expected: int) -> list[dict[str, Any]]:
+    """Every sample stored once and counted once; each started on the server once."""
+    ledger = fleet.ledger()
+    report = merge_dataset(fleet.settings.output_dir, "B1", ledger.committed("B1"))
+    merged = [json.loads(x) for x in Path(report.path).read_text().splitlines()]
+    assert len(merged) == len({r["id"] for r in merged}) == expected
+    snap = ledger.snapshot("B1")
+    assert snap["stats"]["samples"] == expected
+    assert snap["tokens"] == sum(r["completion_tokens"] for r in merged)
+    assert snap["stats"].get("reaped", 0) == 0, "a live request was taken for a dead one"
+    assert len(fleet.starts()) == expected, "a sample was generated twice"
+    assert ledger.in_flight("B1") == {} and ledger.pending("B1") == {}
+    return merged
+
+
+def assert_no_traceback(fleet: Fleet) -> None:
+    for name, proc in fleet.procs.items():
+        text = proc.log_text()
+        assert "Traceback" not in text and "raised unexpected" not in text, (
+            name, text[-3000:])
+
+
+@pytest.mark.parametrize("fleet", [(12, 6.0, ("--lengths", "fixed:300",
+                                               "--decode-step-s", "0.02"))], indirect=True)
+def test_redis_unreachable_for_every_host_for_two_leases_reaps_no_live_request(
+        fleet: Fleet) -> None:
+    # Given: `datagen run` following, two workers with 6 s requests in flight (lease 6 s)
+    run = fleet.run()
+    ledger = fleet.ledger()
+    wait_until(lambda: len(ledger.in_flight("B1")) == 4, 600, what="4 requests in flight")
+
+    # When: Redis is unreachable for every host for 15 s (packets dropped, no reset)
+    others = [h for h in fleet.lab.hosts if h != "redis"]
+    fleet.lab.cut_from("redis", others)
+    time.sleep(15.0)  # the outage's length, not a wait for an event
+    fleet.lab.heal_from("redis", others)
+
+    # Then: the run finishes by itself, every sample generated, stored and counted once,
+    # no live request reaped, no traceback; the workers said what they waited for
+    assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
+    assert_exact(fleet, 12)
+    assert_no_traceback(fleet)
+    logs = "".join(fleet.procs[w].log_text() for w in WORKERS)
+    assert "waits for the ledger" in logs or "Redis unreachable" in logs
+
+
+@pytest.mark.parametrize("fleet", [(24, 24.0, ("--lengths", "fixed:150",
+                                               "--decode-step-s", "0.02"))], indirect=True)
+def test_a_worker_cut_from_redis_for_less_than_a_lease_keeps_its_finished_work(
+        fleet: Fleet) -> None:
+    # Given: a run of 3 s requests on two workers (lease 24 s)
+    run = fleet.run()
+    ledger = fleet.ledger()
+    wait_until(lambda: len(ledger.in_flight("B1")) == 4, 600, what="4 requests in flight")
+
+    # When: w1 cannot reach Redis for 14 s (past the clients' 10 s reply timeout, short of
+    # the 16 s a lease can have left) while its requests finish on the server
+    fleet.lab.cut("w1", "redis")
+    cut_at = time.time()
+    time.sleep(14.0)  # the cut's length, not a wait for an event
+    fleet.lab.heal("w1", "redis")
+    healed_at = time.time()
+
+    # Then: the generations w1 finished during the cut are counted once Redis is back,
+    # nothing is generated twice or reaped, and the run finishes by itself
+    assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
+    merged = assert_exact(fleet, 24)
+    assert_no_traceback(fleet)
+    w1_pid = fleet.procs["w1"].pid
+    mine = {r["rid"] for r in merged if f"-{w1_pid}-" in r["worker"]}
+    ends = {e["rid"]: e["time"] for e in map(json.loads, fleet.requests_log.read_text()
+                                             .splitlines()) if e["event"] == "finish"}
+    assert any(cut_at < ends.get(rid, 0) < healed_at for rid in mine), \
+        "no generation of w1 finished during the cut: the case did not happen"
+    # ... and the healed worker took new work within 2 s of the heal
+    later = sorted(e["time"] for e in fleet.starts() if e["rid"] in mine
+                   and e["time"] > healed_at)
+    assert later and later[0] - healed_at <= 2.0, (later[:1], healed_at)
