@@ -21,7 +21,7 @@ from cli.output import merge_all, print_json, print_summary, render_produce
 from config.settings import Settings, settings_fields
 from datagen.celery_app import make_app, worker_argv
 from datagen.generation.follower import follow
-from datagen.generation.guard import close, enqueue
+from datagen.generation.guard import close, enqueue, wait_for_abort_passes
 from datagen.generation.job import Job
 from datagen.generation.ledger import Ledger
 from datagen.generation.liveness import sweep
@@ -117,6 +117,7 @@ def cmd_budget(settings: Settings, args: argparse.Namespace) -> int:
     tokens = ledger.snapshot(args.dataset)["tokens"]
     if tokens >= args.tokens:
         close(app, ledger, args.dataset, "budget", settings.abort_on_close)
+        wait_for_abort_passes()
         print(f"{args.dataset}: budget {old:,} -> {args.tokens:,}; {tokens:,} tokens, closed")
         return 0
     if ledger.closed(args.dataset):

@@ -300,3 +300,50 @@ def test_abort_policy_discards_partial_outputs(stack: Stack) -> None:
     assert snap["stats"]["discarded_tokens"] > 0
     assert snap["tokens"] == sum(r["completion_tokens"] for r in stored)
     assert json.dumps(snap)  # the snapshot is plain data (status --json relies on it)
+
+
+def test_datagen_budget_runs_its_second_abort_pass_before_it_exits(redis_url: str) -> None:
+    # Given: a request admitted just before the close whose /generate has not reached its
+    # server yet (its entry stays in flight after the first abort), at a server that
+    # records every /abort_request it receives
+    import http.server
+    import threading
+
+    from config.settings import Settings
+    from datagen.generation.ledger import Ledger, connect
+
+    aborts: list[dict[str, Any]] = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/abort_request":
+                aborts.append(json.loads(body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    ledger = Ledger(connect(redis_url), Settings(redis_url=redis_url, server_url=url))
+    ledger.register(["B1"])
+    ledger.mark_run()
+    assert ledger.admit("B1", "s1", "rid-late", "w", 5, 100, server=url).status == "ok"
+    env = {**os.environ, "DATAGEN_REDIS_URL": redis_url, "DATAGEN_SERVER_URL": url,
+           "DATAGEN_ABORT_ON_CLOSE": "true"}
+
+    # When: `datagen budget` closes the dataset and exits as fast as it can
+    try:
+        done = subprocess.run([sys.executable, "-m", "cli.main", "budget", "B1", "0"], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=CLI_HANG_S)
+    finally:
+        httpd.shutdown()
+
+    # Then: both passes reached the server before it exited, with no traceback
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert [a["rid"] for a in aborts] == ["rid-late", "rid-late"]

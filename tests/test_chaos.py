@@ -144,6 +144,48 @@ def test_a_killed_workers_requests_start_again_within_a_lease_and_two_seconds(
           "requests started after the last of them")
 
 
+def test_killed_workers_requests_start_again_in_time_when_the_only_reaper_started_after(
+        stack: Stack) -> None:
+    # Given: two workers of 4 threads, a 6 s lease, a backlog far longer than the lease
+    stack.start_simulator("--lengths", "uniform:20:40", "--decode-step-s", "0.01")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, 400)), short_concurrency=4,
+                               short_max_tokens=100, lease_s=6.0)
+    first = stack.worker("short", name="first@%h")
+    second = stack.worker("short", name="second@%h")
+    stack.wait_workers(2)
+    ledger = start(stack, settings)
+    wait_until(lambda: sum(owned_by(e, first) for e in ledger.in_flight("B1").values()) >= 2,
+               30, what="the first worker to have requests in flight")
+
+    # When: the first is killed and a fresh worker started; once the fresh one is up the
+    # second is killed too, so the only reaper left is one started after both kills' work
+    lost, killed_at = _kill(ledger, first)
+    fresh = stack.worker("short", name="fresh@%h")
+    wait_until(lambda: " ready." in fresh.log_text(), 600, what="the fresh worker up")
+    wait_until(lambda: any(owned_by(e, second) for e in ledger.in_flight("B1").values()),
+               60, what="the second worker to have a request in flight")
+    lost2, killed2_at = _kill(ledger, second)
+    follow(ledger, 0.3, app=stack.app(), timeout_s=240)
+
+    # Then: the requests of both started again within a lease and 2 s of their kill
+    assert_exact_accounting(stack, settings, "B1", 400)
+    starts = [e for e in stack.sim_log() if e["event"] == "start"]
+    counted = {sid: v.split(" ")[0] for sid, v in ledger.committed("B1").items()}
+    for samples, at in ((lost, killed_at), (lost2, killed2_at)):
+        again = {sid: min(e["time"] for e in starts if e["rid"] == counted[sid]) - at
+                 for sid in samples}
+        assert all(0 < t <= settings.lease_s + 2 for t in again.values()), again
+
+
+def _kill(ledger: Any, proc: Process) -> tuple[set[str], float]:
+    """SIGKILL a worker; the samples it had in flight and when it died."""
+    proc.kill()
+    at = time.time()
+    lost = {s for s, e in ledger.in_flight("B1").items() if owned_by(e, proc)}
+    assert lost
+    return lost, at
+
+
 def test_reclaiming_goes_by_lease_even_when_a_process_with_the_same_host_and_pid_is_up(
         stack: Stack) -> None:
     # Given: a worker with requests in flight

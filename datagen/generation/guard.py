@@ -89,9 +89,21 @@ def abort_in_flight_requests(ledger: Ledger, dataset: str, repeat: bool = True) 
         later = threading.Timer(ABORT_REPEAT_S, _abort_again,
                                 args=(ledger, dataset, {s: e.get("rid") for s, e in
                                                         entries.items()}))
-        later.start()  # not a daemon: a CLI close waits for it before it exits
+        later.start()
+        _PASSES.append(later)
     log.info("%s: aborted %d requests in flight", dataset, count)
     return count
+
+
+# Second passes not run yet. A worker lives on; a command that closes and exits (`datagen
+# budget`) waits for them, or interpreter shutdown would refuse their thread pool.
+_PASSES: list[threading.Timer] = []
+
+
+def wait_for_abort_passes() -> None:
+    """Until every second abort pass started in this process has run."""
+    while _PASSES:
+        _PASSES.pop().join()
 
 
 def _abort_again(ledger: Ledger, dataset: str, first: dict[str, Any]) -> None:
