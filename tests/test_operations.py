@@ -95,8 +95,14 @@ def test_flower_shows_workers_queues_and_revoked_tasks_and_requires_login(
                              timeout=20).json()
         return len(tasks)
     wait_until(lambda: revoked() > 0, 180, what="revoked tasks in Flower")
-    # every row tells its dataset and sample apart
-    listed = requests.get(f"{url}/api/tasks", auth=auth, timeout=20).json().values()
+    # every row tells its dataset and sample apart. A row's kwargs come with the task's sent
+    # or received event; Flower may list a task from a later event first (its worker's
+    # revoke beside a loaded producer's batch of sent events), so wait for those events
+    def listed_tasks() -> list[dict[str, Any]]:
+        return list(requests.get(f"{url}/api/tasks", auth=auth, timeout=20).json().values())
+    wait_until(lambda: all(t["kwargs"] for t in listed_tasks()), 180,
+               what="every listed task's sent or received event in Flower")
+    listed = listed_tasks()
     assert {t["kwargs"].split("/")[0] for t in listed} == {"B1", "B2"}
     assert all(t["kwargs"].count("/") == 1 for t in listed)
     assert ledger.snapshot("B1")["stats"]["revoked"] > 0
