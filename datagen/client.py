@@ -245,6 +245,20 @@ class SGLangClient:
             self._health_at, self._health_ok = time.monotonic(), ok
             return ok
 
+    def reachable(self, timeout_s: float = 5.0) -> bool:
+        """False only when the server's host does not answer at all: ``/health`` timed out
+        (a silent network cut, a host gone). Any answer, 503 included, or a refused
+        connection (the host is up, the server down: every worker sees that and waits for
+        it) counts as reachable."""
+        try:
+            self.session.get(f"{self.base_url}/health", timeout=(min(2.0, timeout_s),
+                                                                 timeout_s))
+        except requests.Timeout:
+            return False
+        except requests.RequestException:
+            return True
+        return True
+
     def limits(self) -> Limits:
         """The context length and longest input the server accepts; behind a router, the
         smallest of its servers' (so every prompt the producer sizes fits on each one).

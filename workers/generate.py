@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from functools import partial
+from typing import Any
 
 from celery import signals
 from celery.exceptions import Ignore
@@ -37,11 +39,29 @@ def requeue(job: Job) -> None:
 
 
 @signals.worker_ready.connect
-def _start_heartbeat(**_: object) -> None:
+def _start_heartbeat(sender: Any = None, **_: object) -> None:
     global _heartbeat
     ctx = context()
-    _heartbeat = Heartbeat(ctx.ledger, ctx.leases, ctx.settings.lease_s, requeue)
+    _heartbeat = Heartbeat(ctx.ledger, ctx.leases, ctx.settings.lease_s, requeue,
+                           server_ok=ctx.client.reachable,
+                           on_server=partial(_consume, sender))
     _heartbeat.start()
+
+
+def _consume(consumer: Any, server_reachable: bool) -> None:
+    """Stop taking tasks while the server cannot be reached from here, take them again
+    once it can: the samples go to workers that reach theirs."""
+    hostname = getattr(consumer, "hostname", None)
+    queues = [q.name for q in getattr(getattr(consumer, "task_consumer", None), "queues", [])]
+    if not hostname or not queues:
+        return
+    for queue in queues:
+        if server_reachable:
+            app.control.add_consumer(queue, destination=[hostname])
+        else:
+            app.control.cancel_consumer(queue, destination=[hostname])
+    log.warning("%s %s", "consuming again from" if server_reachable else "stopped consuming",
+                ", ".join(queues))
 
 
 @signals.worker_shutting_down.connect

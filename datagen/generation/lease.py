@@ -55,9 +55,10 @@ class LeaseBook:
         with self._lock:
             return list(self._held.values())
 
-    def renew(self) -> list[str]:
-        """Renew every held lease and retry lost releases; returns payloads they woke."""
-        held = self.held()
+    def renew(self, held_too: bool = True) -> list[str]:
+        """Renew every held lease (unless not ``held_too``) and retry lost releases;
+        returns payloads they woke."""
+        held = self.held() if held_too else {}
         if held:
             self.ledger.renew(held)
         with self._lock:

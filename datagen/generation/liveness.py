@@ -48,11 +48,19 @@ class Heartbeat:
     requests are re-enqueued within a moment of their lease's end, about one lease after
     the kill (DESIGN.md, "Acks, prefetch and the visibility timeout")."""
 
-    def __init__(self, ledger: Ledger, book: LeaseBook, lease_s: float, requeue: Requeue):
+    def __init__(self, ledger: Ledger, book: LeaseBook, lease_s: float, requeue: Requeue,
+                 server_ok: Callable[[], bool] | None = None,
+                 on_server: Callable[[bool], None] | None = None):
         self.ledger = ledger
         self.book = book
         self.lease_s = lease_s
         self.requeue = requeue
+        # Asked before each renewal while requests are held: a worker that cannot reach its
+        # server (a silent cut, a server host gone) lets its leases lapse, so a worker that
+        # can re-runs them (its reaper aborts the stranded requests there by rid).
+        self.server_ok = server_ok
+        self.on_server = on_server  # told False when the server is lost, True when back
+        self._server_lost = False
         self._stop = threading.Event()
         self._in_touch = False  # the last beat reached Redis
         self._fleet_since: float | None = None  # monotonic start of the fleet's contact
@@ -75,10 +83,26 @@ class Heartbeat:
         """Presence, lease renewal and deferred releases, in that order; then the mark of
         the fleet's contact, which tells since when the fleet has been in touch."""
         self.ledger.r.set(keys.worker_alive(self.book.owner), "1", px=int(self.lease_s * 1000))
-        for payload in self.book.renew():
+        for payload in self.book.renew(held_too=self._server_reachable()):
             self.requeue(Job.from_payload(json.loads(payload)))
         lasted = self.ledger.contact(self.lease_s / 2)
         self._fleet_since = time.monotonic() - lasted
+
+    def _server_reachable(self) -> bool:
+        """False while requests are held and the server cannot be reached."""
+        if self.server_ok is None or not (self.book.held() or self._server_lost):
+            return True
+        ok = self.server_ok()
+        if ok == self._server_lost:  # a change: one line each way
+            if ok:
+                log.info("heartbeat: the server answers again; renewing leases")
+            else:
+                log.warning("heartbeat: the server cannot be reached: the leases of %d "
+                            "requests left to lapse, so they run elsewhere", len(self.book))
+            if self.on_server is not None:
+                self.on_server(ok)
+        self._server_lost = not ok
+        return ok
 
     def _loop(self) -> None:
         next_beat = time.monotonic() + self.lease_s / 3

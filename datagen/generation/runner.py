@@ -151,6 +151,12 @@ def run_job(ctx: Context, job: Job) -> Outcome:
                 outcome = _generate_admitted(ctx, job, lease)
         except ServerUnavailable as exc:
             woken += lease.woken
+            if not ctx.client.reachable():
+                # This worker is cut off from its server (others may not be): hand the
+                # sample back to the queue rather than wait here for the network.
+                log.warning("sample %s of %s: the server cannot be reached from here (%s); "
+                            "handed back", job.sample, job.dataset, exc)
+                return Outcome("requeue", detail="server unreachable", woken=tuple(woken))
             if attempt >= settings.max_retries:
                 return _dead(ctx, job, f"server unavailable after {attempt + 1} tries: {exc}",
                              woken)

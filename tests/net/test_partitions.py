@@ -60,10 +60,11 @@ class Fleet:
     def ledger(self) -> Ledger:
         return Ledger(connect(f"unix://{self.sock}"), self.settings)
 
-    def worker(self, host: str) -> Process:
+    def worker(self, host: str, **settings: str) -> Process:
+        env = {**self.env, **{f"DATAGEN_{k.upper()}": v for k, v in settings.items()}}
         proc = self.lab.spawn(host, f"worker-{host}", [
             sys.executable, "-m", "cli.main", "worker", "short", "-n", f"{host}@%h"],
-            child_env(self.env))
+            child_env(env))
         self.procs[host] = proc
         return proc
 
@@ -134,8 +135,9 @@ def _alive_workers(sock: Path) -> int:
     return sum(1 for _ in client.scan_iter(keys.worker_alive("*")))
 
 
-def assert_exact(fleet: Fleet, expected: int) -> list[dict[str, Any]]:
-    """Every sample stored once and counted once; each started on the server once."""
+def assert_exact(fleet: Fleet, expected: int, reruns: bool = False) -> list[dict[str, Any]]:
+    """Every sample stored once and counted once; each started on the server once (unless
+    ``reruns``: then only what was reaped started again)."""
     ledger = fleet.ledger()
     report = merge_dataset(fleet.settings.output_dir, "B1", ledger.committed("B1"))
     merged = [json.loads(x) for x in Path(report.path).read_text().splitlines()]
@@ -143,8 +145,10 @@ def assert_exact(fleet: Fleet, expected: int) -> list[dict[str, Any]]:
     snap = ledger.snapshot("B1")
     assert snap["stats"]["samples"] == expected
     assert snap["tokens"] == sum(r["completion_tokens"] for r in merged)
-    assert snap["stats"].get("reaped", 0) == 0, "a live request was taken for a dead one"
-    assert len(fleet.starts()) == expected, "a sample was generated twice"
+    if not reruns:
+        assert snap["stats"].get("reaped", 0) == 0, "a live request was taken for a dead one"
+    assert len(fleet.starts()) == expected + snap["stats"].get("reaped", 0), \
+        "a sample was generated twice without being reaped"
     assert ledger.in_flight("B1") == {} and ledger.pending("B1") == {}
     return merged
 
@@ -212,3 +216,41 @@ def test_a_worker_cut_from_redis_for_less_than_a_lease_keeps_its_finished_work(
     later = sorted(e["time"] for e in fleet.starts() if e["rid"] in mine
                    and e["time"] > healed_at)
     assert later and later[0] - healed_at <= 2.0, (later[:1], healed_at)
+
+
+@pytest.mark.parametrize("fleet", [(12, 6.0, ("--lengths", "fixed:150",
+                                               "--decode-step-s", "0.02"))], indirect=True)
+def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_time(
+        fleet: Fleet) -> None:
+    # Given: w1 (2 threads) and a second worker with room to spare, 3 s requests, lease 6 s
+    fleet.procs.pop("w2").stop()
+    fleet.worker("w2", short_concurrency="8")
+    wait_until(lambda: " ready." in fleet.procs["w2"].log_text(), 600, what="w2 up again")
+    run = fleet.run()
+    ledger = fleet.ledger()
+    w1 = fleet.procs["w1"]
+
+    def w1_samples() -> dict[str, str]:
+        return {s: e["rid"] for s, e in ledger.in_flight("B1").items()
+                if f"-{w1.pid}-" in str(e["worker"])}
+    wait_until(lambda: len(w1_samples()) == 2, 600, what="w1 with 2 requests in flight")
+
+    # When: w1 can reach Redis but not the server (its requests hang, nothing resets)
+    lost = w1_samples()
+    fleet.lab.cut("w1", "server")
+    cut_at = time.time()
+    wait_until(lambda: all(s in ledger.committed("B1") for s in lost), 120,
+               what="w1's samples stored by another worker")
+    fleet.lab.heal("w1", "server")
+
+    # Then: they started again elsewhere within a lease and 2 s of the cut, were counted
+    # once, and the run finished by itself with no traceback
+    assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
+    assert_exact(fleet, 12, reruns=True)
+    assert_no_traceback(fleet)
+    counted = {s: v.split(" ")[0] for s, v in ledger.committed("B1").items()}
+    again = {s: min(e["time"] for e in fleet.starts() if e["rid"] == counted[s]) - cut_at
+             for s in lost}
+    assert all(counted[s] != rid for s, rid in lost.items())
+    assert all(0 < t <= fleet.settings.lease_s + 2 for t in again.values()), again
+    assert "stopped consuming" in w1.log_text()
