@@ -23,7 +23,7 @@ ARGS ?=
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml requirements/lock.txt
+$(VENV)/.installed: pyproject.toml requirements/lock.txt requirements/specforge-readers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "$(UV)"
 	@# torch first, with pip, as $(TORCH) from $(TORCH_INDEX) when set. PyPI's Linux torch is
@@ -33,6 +33,8 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt
 	@# then everything else, exactly as locked (uv: seconds where pip takes minutes)
 	$(VENV)/bin/uv pip install --python $(PY) --no-deps -r requirements/lock.txt
 	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
+	@# SpecForge's readers, without its GPU pins (the tests read the handoff with them)
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps -r requirements/specforge-readers.txt
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the project with its test tools

@@ -12,8 +12,8 @@ need no checkout.
 - ``SCHEMA_FIELDS`` are the fields of the run-config sections the handoff writes
   (``specforge/config/schema.py``; every model has ``extra="forbid"``).
 
-``DATAGEN_SPECFORGE_SRC=<a SpecForge checkout>`` makes the handoff test also validate the run
-config with that checkout's pydantic schema itself.
+``tests/workers/test_handoff_files.py`` also runs SpecForge's own code (PyPI ``specforge``
+0.2.0, installed by ``make install`` without its dependencies) on the handoff.
 """
 
 from __future__ import annotations

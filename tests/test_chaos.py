@@ -175,6 +175,8 @@ def test_killed_workers_requests_start_again_in_time_when_the_only_reaper_starte
         again = {sid: min(e["time"] for e in starts if e["rid"] == counted[sid]) - at
                  for sid in samples}
         assert all(0 < t <= settings.lease_s + 2 for t in again.values()), again
+        print(f"FIGURE fresh-reaper: {len(samples)} lost requests started again "
+              f"{min(again.values()):.1f}-{max(again.values()):.1f}s after their kill")
 
 
 def _kill(ledger: Any, proc: Process) -> tuple[set[str], float]:
