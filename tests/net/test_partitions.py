@@ -261,3 +261,43 @@ def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_tim
     print(f"FIGURE net-server-cut: {len(lost)} stranded requests started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
           f"{fleet.settings.lease_s:.0f}s)")
+
+
+@pytest.mark.parametrize("fleet", [(30, 6.0, ("--lengths", "fixed:150",
+                                               "--decode-step-s", "0.02"))], indirect=True)
+def test_a_worker_cut_from_everything_for_two_leases_with_no_follower(fleet: Fleet) -> None:
+    # Given: a run produced by `datagen produce` alone (no `datagen run` follows it), two
+    # workers of 2 threads with 3 s requests, lease 6 s
+    produced = fleet.lab.spawn("control", "produce", [
+        sys.executable, "-m", "cli.main", "produce"], child_env(fleet.env))
+    assert fleet.wait_exit(produced) == 0, produced.log_text()[-3000:]
+    ledger = fleet.ledger()
+    w1 = fleet.procs["w1"]
+
+    def w1_samples() -> dict[str, str]:
+        return {s: e["rid"] for s, e in ledger.in_flight("B1").items()
+                if f"-{w1.pid}-" in str(e["worker"])}
+    wait_until(lambda: len(w1_samples()) == 2, 600, what="w1 with 2 requests in flight")
+
+    # When: w1's host is cut from every other host for two leases
+    lost = w1_samples()
+    others = [h for h in fleet.lab.hosts if h != "w1"]
+    fleet.lab.cut_from("w1", others)
+    cut_at = time.time()
+    time.sleep(2 * fleet.settings.lease_s)  # the cut's length, not a wait for an event
+    fleet.lab.heal_from("w1", others)
+
+    # Then: its requests started again on w2 within a lease and 2 s of the cut, and the run
+    # finishes by itself, with no follower and no sweep: every sample counted once
+    wait_until(lambda: len(ledger.committed("B1")) == 30, 600, 0.5,
+               what="every sample stored, with no follower")
+    assert_exact(fleet, 30, reruns=True)
+    assert_no_traceback(fleet)
+    counted = {s: v.split(" ")[0] for s, v in ledger.committed("B1").items()}
+    again = {s: min(e["time"] for e in fleet.starts() if e["rid"] == counted[s]) - cut_at
+             for s in lost}
+    assert all(counted[s] != rid for s, rid in lost.items())
+    assert all(0 < t <= fleet.settings.lease_s + 2 for t in again.values()), again
+    print(f"FIGURE net-isolated: {len(lost)} requests of the cut worker started again "
+          f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
+          f"{fleet.settings.lease_s:.0f}s); the run finished with no follower")
