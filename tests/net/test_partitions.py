@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,11 +21,11 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import wait_until, write_jsonl
+from conftest import CLI_HANG_S, wait_until, write_jsonl
 from net.lab import Lab, unavailable_reason
 from sglang_fixture import in_ci
 
-from cli.stack import Process, child_env
+from cli.stack import REPO, Process, child_env
 from config.settings import Settings, load_settings
 from datagen import keys
 from datagen.generation.ledger import Ledger, connect
@@ -301,3 +302,17 @@ def test_a_worker_cut_from_everything_for_two_leases_with_no_follower(fleet: Fle
     print(f"FIGURE net-isolated: {len(lost)} requests of the cut worker started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
           f"{fleet.settings.lease_s:.0f}s); the run finished with no follower")
+
+
+def test_the_latency_bench_runs_and_short_requests_lose_more_than_long_ones(
+        can_make_hosts: None, tmp_path: Path) -> None:
+    # The command docs/BENCHMARKS.md gives, at a quarter of its size
+    out = tmp_path / "net.json"
+    done = subprocess.run([sys.executable, "bench/bench_net_latency.py", "--rounds", "1",
+                           "--quick", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=CLI_HANG_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rows = {r["workload"]: r for r in json.loads(out.read_text())["rows"]}
+    # 10 ms each way on every call: short requests lose far more than long ones
+    assert rows["short (~50 ms)"]["ratio"] < rows["long (~3 s)"]["ratio"]
+    assert "ratio (median)" in done.stdout
