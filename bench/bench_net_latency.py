@@ -31,7 +31,6 @@ from net.lab import Lab, unavailable_reason  # noqa: E402
 
 from cli.stack import child_env  # noqa: E402
 from datagen import keys  # noqa: E402
-from datagen.redis_server import redis_binary  # noqa: E402
 from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
 
 WORKLOADS = {"long (~3 s)": ("fixed:150", "0.02", 64), "short (~50 ms)": ("fixed:5", "0.01", 480)}
@@ -117,11 +116,7 @@ def main() -> int:
         with Lab(work) as lab:
             for host in ("redis", "server", "w1", "w2", "control"):
                 lab.host(host)
-            sock = work / "redis.sock"
-            lab.spawn("redis", "redis", [
-                redis_binary(), "--bind", lab.hosts["redis"].ip, "--port", str(REDIS_PORT),
-                "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
-                "--appendonly", "no", "--protected-mode", "no", "--dir", str(work)])
+            sock = lab.start_redis("redis", REDIS_PORT)
             while not sock.exists():
                 time.sleep(0.05)
             for label, (lengths, step, samples) in WORKLOADS.items():

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cli.stack import Process
+from datagen.redis_server import redis_binary
 
 PREFIX = "dgn"
 NOWHERE_MAC = "02:00:00:00:00:{:02x}"  # locally administered, never on the bridge
@@ -152,6 +153,16 @@ class Lab:
                        self.workdir / "logs" / f"{name}.log", env)
         self.procs.append(proc)
         return proc
+
+    def start_redis(self, host: str, port: int) -> Path:
+        """A Redis on ``host`` at ``port``, also on a unix socket (returned) through which the
+        test itself reads the ledger without a network."""
+        sock = self.workdir / "redis.sock"
+        self.spawn(host, "redis", [
+            redis_binary(), "--bind", self.hosts[host].ip, "--port", str(port),
+            "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.workdir)])
+        return sock
 
     def wait_log(self, proc: Process, text: str, timeout_s: float = 600.0) -> str:
         """The first log line holding ``text``; fails at once when the process exits."""

@@ -30,7 +30,6 @@ from config.settings import Settings, load_settings
 from datagen import keys
 from datagen.generation.ledger import Ledger, connect
 from datagen.generation.merge import merge_dataset
-from datagen.redis_server import redis_binary
 
 pytestmark = [pytest.mark.chaos, pytest.mark.net]
 REDIS_PORT, SERVER_PORT = 6379, 30000
@@ -79,6 +78,26 @@ class Fleet:
         lines = self.requests_log.read_text().splitlines() if self.requests_log.exists() else []
         return [e for e in map(json.loads, lines) if e["event"] == "start"]
 
+    def roomy_w2(self) -> None:
+        """w2 again with 8 threads: room for the samples it must re-run at once."""
+        self.procs.pop("w2").stop()
+        self.worker("w2", short_concurrency="8")
+        wait_until(lambda: " ready." in self.procs["w2"].log_text(), 600, what="w2 up again")
+
+    def in_flight_of(self, host: str) -> dict[str, str]:
+        """Sample -> rid of the requests the worker on ``host`` has in flight."""
+        pid = self.procs[host].pid
+        return {s: e["rid"] for s, e in self.ledger().in_flight("B1").items()
+                if f"-{pid}-" in str(e["worker"])}
+
+    def started_again(self, lost: dict[str, str], since: float) -> dict[str, float]:
+        """Seconds from ``since`` to the start of each lost sample's counted request, which
+        must be a new one (another rid)."""
+        counted = {s: v.split(" ")[0] for s, v in self.ledger().committed("B1").items()}
+        assert all(counted[s] != rid for s, rid in lost.items())
+        return {s: min(e["time"] for e in self.starts() if e["rid"] == counted[s]) - since
+                for s in lost}
+
     def wait_exit(self, proc: Process, timeout_s: float = 600.0) -> int:
         wait_until(lambda: not proc.alive(), timeout_s, 0.2, what=f"{proc.name} to exit")
         return proc.proc.returncode
@@ -93,11 +112,7 @@ def fleet(request: pytest.FixtureRequest, can_make_hosts: None, tmp_path: Path,
     with Lab(tmp_path, int(gw) if gw.isdigit() else 0) as lab:
         for name in ("redis", "server", *WORKERS, "control"):
             lab.host(name)
-        sock = tmp_path / "redis.sock"
-        lab.spawn("redis", "redis", [
-            redis_binary(), "--bind", lab.hosts["redis"].ip, "--port", str(REDIS_PORT),
-            "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
-            "--appendonly", "no", "--protected-mode", "no", "--dir", str(tmp_path)])
+        sock = lab.start_redis("redis", REDIS_PORT)
         wait_until(lambda: _pings(sock), 120, what="Redis on its host")
         requests_log = tmp_path / "requests.jsonl"
         sim = lab.spawn("server", "simulator", [
@@ -228,20 +243,14 @@ def test_a_worker_cut_from_redis_for_less_than_a_lease_keeps_its_finished_work(
 def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_time(
         fleet: Fleet) -> None:
     # Given: w1 (2 threads) and a second worker with room to spare, 3 s requests, lease 6 s
-    fleet.procs.pop("w2").stop()
-    fleet.worker("w2", short_concurrency="8")
-    wait_until(lambda: " ready." in fleet.procs["w2"].log_text(), 600, what="w2 up again")
+    fleet.roomy_w2()
     run = fleet.run()
     ledger = fleet.ledger()
-    w1 = fleet.procs["w1"]
-
-    def w1_samples() -> dict[str, str]:
-        return {s: e["rid"] for s, e in ledger.in_flight("B1").items()
-                if f"-{w1.pid}-" in str(e["worker"])}
-    wait_until(lambda: len(w1_samples()) == 2, 600, what="w1 with 2 requests in flight")
+    wait_until(lambda: len(fleet.in_flight_of("w1")) == 2, 600,
+               what="w1 with 2 requests in flight")
 
     # When: w1 can reach Redis but not the server (its requests hang, nothing resets)
-    lost = w1_samples()
+    lost = fleet.in_flight_of("w1")
     fleet.lab.cut("w1", "server")
     cut_at = time.time()
     wait_until(lambda: all(s in ledger.committed("B1") for s in lost), 120,
@@ -253,35 +262,30 @@ def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_tim
     assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
     assert_exact(fleet, 12, reruns=True)
     assert_no_traceback(fleet)
-    counted = {s: v.split(" ")[0] for s, v in ledger.committed("B1").items()}
-    again = {s: min(e["time"] for e in fleet.starts() if e["rid"] == counted[s]) - cut_at
-             for s in lost}
-    assert all(counted[s] != rid for s, rid in lost.items())
+    again = fleet.started_again(lost, cut_at)
     assert all(0 < t <= fleet.settings.lease_s + 2 for t in again.values()), again
-    assert "stopped consuming" in w1.log_text()
+    assert "stopped consuming" in fleet.procs["w1"].log_text()
     print(f"FIGURE net-server-cut: {len(lost)} stranded requests started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
           f"{fleet.settings.lease_s:.0f}s)")
 
 
-@pytest.mark.parametrize("fleet", [(30, 6.0, ("--lengths", "fixed:150",
+@pytest.mark.parametrize("fleet", [(12, 6.0, ("--lengths", "fixed:150",
                                                "--decode-step-s", "0.02"))], indirect=True)
 def test_a_worker_cut_from_everything_for_two_leases_with_no_follower(fleet: Fleet) -> None:
-    # Given: a run produced by `datagen produce` alone (no `datagen run` follows it), two
-    # workers of 2 threads with 3 s requests, lease 6 s
+    # Given: a run produced by `datagen produce` alone (no `datagen run` follows it), w1 of
+    # 2 threads and w2 with room to spare (a re-run waits for no free thread), 3 s
+    # requests, lease 6 s
+    fleet.roomy_w2()
     produced = fleet.lab.spawn("control", "produce", [
         sys.executable, "-m", "cli.main", "produce"], child_env(fleet.env))
     assert fleet.wait_exit(produced) == 0, produced.log_text()[-3000:]
     ledger = fleet.ledger()
-    w1 = fleet.procs["w1"]
-
-    def w1_samples() -> dict[str, str]:
-        return {s: e["rid"] for s, e in ledger.in_flight("B1").items()
-                if f"-{w1.pid}-" in str(e["worker"])}
-    wait_until(lambda: len(w1_samples()) == 2, 600, what="w1 with 2 requests in flight")
+    wait_until(lambda: len(fleet.in_flight_of("w1")) == 2, 600,
+               what="w1 with 2 requests in flight")
 
     # When: w1's host is cut from every other host for two leases
-    lost = w1_samples()
+    lost = fleet.in_flight_of("w1")
     others = [h for h in fleet.lab.hosts if h != "w1"]
     fleet.lab.cut_from("w1", others)
     cut_at = time.time()
@@ -290,14 +294,11 @@ def test_a_worker_cut_from_everything_for_two_leases_with_no_follower(fleet: Fle
 
     # Then: its requests started again on w2 within a lease and 2 s of the cut, and the run
     # finishes by itself, with no follower and no sweep: every sample counted once
-    wait_until(lambda: len(ledger.committed("B1")) == 30, 600, 0.5,
+    wait_until(lambda: len(ledger.committed("B1")) == 12, 600, 0.5,
                what="every sample stored, with no follower")
-    assert_exact(fleet, 30, reruns=True)
+    assert_exact(fleet, 12, reruns=True)
     assert_no_traceback(fleet)
-    counted = {s: v.split(" ")[0] for s, v in ledger.committed("B1").items()}
-    again = {s: min(e["time"] for e in fleet.starts() if e["rid"] == counted[s]) - cut_at
-             for s in lost}
-    assert all(counted[s] != rid for s, rid in lost.items())
+    again = fleet.started_again(lost, cut_at)
     assert all(0 < t <= fleet.settings.lease_s + 2 for t in again.values()), again
     print(f"FIGURE net-isolated: {len(lost)} requests of the cut worker started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
