@@ -245,18 +245,20 @@ class SGLangClient:
             self._health_at, self._health_ok = time.monotonic(), ok
             return ok
 
-    def reachable(self, timeout_s: float = 5.0) -> bool:
-        """False only when the server's host does not answer at all: ``/health`` timed out
-        (a silent network cut, a host gone). Any answer, 503 included, or a refused
+    def reachable(self, timeout_s: float = 3.0) -> bool:
+        """False only when the server's host cannot be reached at all: a new TCP connection
+        to it timed out or found no route (a silent network cut, a host gone). A refused
         connection (the host is up, the server down: every worker sees that and waits for
-        it) counts as reachable."""
+        it) counts as reachable, and so does a slow server: nothing is asked of it but the
+        connection (SGLang's /health waits on its scheduler, seconds on a loaded CPU)."""
+        parts = urlsplit(self.base_url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            self.session.get(f"{self.base_url}/health", timeout=(min(2.0, timeout_s),
-                                                                 timeout_s))
-        except requests.Timeout:
-            return False
-        except requests.RequestException:
+            socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
+        except ConnectionRefusedError:
             return True
+        except OSError:  # timed out, no route to the host, name unknown
+            return False
         return True
 
     def limits(self) -> Limits:
