@@ -90,7 +90,7 @@ def abort_in_flight_requests(ledger: Ledger, dataset: str, repeat: bool = True) 
                                 args=(ledger, dataset, {s: e.get("rid") for s, e in
                                                         entries.items()}))
         later.start()
-        _PASSES.append(later)
+        _PASSES[:] = [t for t in _PASSES if t.is_alive()] + [later]  # a worker's stay few
     log.info("%s: aborted %d requests in flight", dataset, count)
     return count
 
