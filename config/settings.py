@@ -29,7 +29,7 @@ BUDGET_MEASURES = ("completion", "total")
 REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
-EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang")  # datagen/extraction/backends
+EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang", "vllm")  # datagen/extraction/backends
 
 
 RENAMED = {"extract_max_length_tokens": "train_max_length"}
@@ -111,7 +111,12 @@ class Settings:
     # Hidden-state extraction on the `gpu` queue (one worker per model replica).
     model_path: str = ""  # local HF model folder of the target model
     gpus: str = ""  # one replica's devices: "" one device (as CUDA_VISIBLE_DEVICES), "0-7", "cpu:2"
-    extract_backend: str = "hf"  # "hf" one device, "hf-tp" transformers TP, "sglang" (CUDA)
+    extract_backend: str = "hf"  # "hf" one device, "hf-tp" transformers TP, "sglang", "vllm"
+    # extract_backend = "vllm": a vLLM engine over the replica's devices (gpus), TP = their count
+    vllm_python: str = ""  # Python of an environment with vLLM; "": this one (make vllm-env)
+    vllm_args: str = ""  # more `vllm serve` arguments, shell-quoted ("--quantization ...")
+    vllm_inflight: int = 64  # requests in flight per engine (it batches them)
+    vllm_start_timeout_s: float = 1800.0  # loading a 1T model takes minutes
     replica_timeout_s: float = 600.0  # a rank silent this long in a collective ends the replica
     # TOML list or "1,15,28" in DATAGEN_AUX_LAYER_IDS.
     aux_layer_ids: list[int] | None = None  # aux decoder layers; None: [1, N//2-1, N-4]
@@ -152,7 +157,7 @@ class Settings:
             if not isinstance(budget, int) or budget < 0:
                 raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
         _positive(self, "shard_samples", "train_max_length", "extract_batch_tokens",
-                  "extract_writer_threads", "draft_vocab_size")
+                  "extract_writer_threads", "draft_vocab_size", "vllm_inflight")
         self._check_extraction()
         for url_field in ("redis_url", "server_url"):
             if "://" not in getattr(self, url_field):
@@ -169,6 +174,8 @@ class Settings:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if self.vllm_start_timeout_s <= 0:
+            raise SettingsError(f"vllm_start_timeout_s: {self.vllm_start_timeout_s!r} must be > 0")
         if self.replica_timeout_s <= 0:
             raise SettingsError(f"replica_timeout_s: {self.replica_timeout_s!r} must be > 0")
         if self.aux_layer_ids is not None:

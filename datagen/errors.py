@@ -3,7 +3,8 @@
     DatagenError
     ├── RetryableError        the same call may succeed later
     │   ├── ServerUnavailable     connection refused/reset, 5xx, 503 queue full, timeout
-    │   └── LedgerUnavailable     Redis down or restarting
+    │   ├── LedgerUnavailable     Redis down or restarting
+    │   └── EngineLost            a gpu worker's model engine stopped (the shard is retried)
     └── PermanentError        retrying cannot help: dead-letter with the reason
         ├── BadRequest            SGLang answered 400 (over-long input, bad parameter)
         ├── BadInput              a prompt record that cannot be used
@@ -24,6 +25,10 @@ class ServerUnavailable(RetryableError):
 
 
 class LedgerUnavailable(RetryableError):
+    pass
+
+
+class EngineLost(RetryableError):
     pass
 
 

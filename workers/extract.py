@@ -16,7 +16,7 @@ from typing import Any
 from celery import signals
 
 from datagen.celery_app import EXTRACT_TASK, app
-from datagen.errors import BadInput
+from datagen.errors import BadInput, EngineLost
 from datagen.extraction import runner
 from datagen.extraction.estimate import InsufficientDiskSpace
 from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger
@@ -121,6 +121,6 @@ def extract(self, shard: str, **_: object) -> dict[str, Any]:
     except (InsufficientDiskSpace, BadInput) as exc:  # a retry in a few seconds cannot help
         return runner.give_up(settings, xledger(), shard, exc)
     except Exception as exc:
-        if "cuda" in f"{type(exc).__name__} {exc}".lower():
-            drop_extractor()  # the device may be in a bad state: the retry reloads the model
+        if isinstance(exc, EngineLost) or "cuda" in f"{type(exc).__name__} {exc}".lower():
+            drop_extractor()  # the device or engine may be unusable: the retry reloads it
         return runner.fail(settings, xledger(), shard, exc)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from datagen.errors import StorageError
+from datagen.errors import EngineLost, StorageError
 from datagen.extraction import backends
 from datagen.extraction.backends.hf import (
     DTYPES,
@@ -37,6 +37,7 @@ from datagen.extraction.backends.hf import (
     packing_isolated,
     resolve_device,
 )
+from datagen.extraction.backends.vllm import EngineOptions
 from datagen.extraction.batching import length_batches, pack_rows
 from datagen.extraction.estimate import DTYPE_BYTES, check_disk
 from datagen.extraction.files import (
@@ -80,6 +81,7 @@ class ExtractionConfig:
     check_free_space: bool = True
     force: bool = False          # write even when the disk check says it will not fit
     backend: str = "hf"          # backends.NAMES
+    engine: EngineOptions = field(default_factory=EngineOptions)  # the `vllm` backend's
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
@@ -150,10 +152,16 @@ class Extractor:
         self.aux_layer_ids = tuple(backend.aux_layer_ids)
         self.hidden_size = backend.hidden
         self.vocab_size = backend.vocab_size
-        self.pack_tokens = self._check_packing(cfg.resolved_pack_tokens())
-        self.staging = HostStaging(self.device, backend.width, self.dtype,
-                                   max(cfg.batch_tokens, cfg.max_length))
-        self.writer = AsyncWriter(cfg.writer_threads, cfg.max_pending_writes)
+        # an engine that writes each file itself (vllm): requests in flight, no host staging
+        self.writes_files = bool(getattr(backend, "writes_files", False))
+        self.pack_tokens = 0 if self.writes_files else self._check_packing(
+            cfg.resolved_pack_tokens())
+        self.staging = None if self.writes_files else HostStaging(
+            self.device, backend.width, self.dtype, max(cfg.batch_tokens, cfg.max_length))
+        if self.writes_files:
+            self.writer = AsyncWriter(backend.inflight, backend.inflight)
+        else:
+            self.writer = AsyncWriter(cfg.writer_threads, cfg.max_pending_writes)
         log.info("extractor ready (%s): H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
                  cfg.backend, self.hidden_size, list(self.aux_layer_ids), backend.num_layers,
                  cfg.dtype, self.device, self.pack_tokens)
@@ -311,6 +319,10 @@ class Extractor:
         return length_batches(samples, self.cfg.batch_tokens)
 
     def _run_batch(self, batch: list[Sample], run: _ShardRun) -> None:
+        if self.writes_files:
+            for s in batch:
+                run.pending.append((s, self.writer.submit(self._engine_sample, s, run)))
+            return
         try:
             buf = self._forward_batch([s.input_ids for s in batch])
         except Exception as exc:  # noqa: BLE001 - any per-batch error: split and retry
@@ -361,14 +373,27 @@ class Extractor:
                              "tokens": s.length})
         return size
 
+    def _engine_sample(self, s: Sample, run: _ShardRun) -> int:
+        """Runs in a request thread: the engine writes the file, then it is recorded."""
+        rel = relative_path(s.idx)
+        size = self.runner.extract(s.input_ids, sample_loss_mask(s),
+                                   Path(self.cfg.output_dir) / rel)
+        assert run.manifest is not None
+        run.manifest.append({"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
+                             "tokens": s.length})
+        return size
+
     def _collect(self, run: _ShardRun) -> None:
         """Wait for the writers; count successes; disk errors fail the shard (retryable by
         the caller: what was written stays done), anything else fails the sample."""
         self.writer.drain()
         storage_errors: list[BaseException] = []
+        lost: list[BaseException] = []
         for s, fut in run.pending:
             exc = fut.exception()
-            if exc is None:
+            if isinstance(exc, EngineLost):
+                lost.append(exc)
+            elif exc is None:
                 run.result.written += 1
                 run.kept.append((relative_path(s.idx), s))
                 run.result.tokens += s.length
@@ -379,6 +404,8 @@ class Extractor:
                 run.result.failures.append(SampleFailure(s.idx, s.id,
                                                          f"write failed: {exc!r}"[:500]))
         run.pending.clear()
+        if lost:  # not the samples' fault: the shard is retried, what was written stays done
+            raise lost[0]
         if storage_errors:
             raise StorageError(f"{len(storage_errors)} files could not be written under "
                                f"{self.cfg.output_dir}: {storage_errors[0]}"

@@ -41,7 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from config.settings import Settings
-from datagen.extraction.backends import DISTRIBUTED
+from datagen.extraction.backends import DISTRIBUTED, ENGINE
 from datagen.redis_server import free_port
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,10 @@ def visible_cuda_devices() -> int:
 def check_start(settings: Settings, devices: Devices, visible: int | None = None) -> None:
     """Refuse to start, with one line, what could only fail after taking a shard."""
     backend = settings.extract_backend
-    if devices.ranks > 1 and backend not in DISTRIBUTED:
+    if devices.ranks > 1 and backend not in (*DISTRIBUTED, ENGINE):
         raise ValueError(f"gpus={settings.gpus!r} asks for {devices.ranks} ranks but "
-                         f"extract_backend={backend!r} runs on one device: use hf-tp or sglang")
+                         f"extract_backend={backend!r} runs on one device: use vllm, hf-tp "
+                         "or sglang")
     if devices.kind == "cuda":
         visible = visible_cuda_devices() if visible is None else visible
         if max(devices.ids) >= visible:
@@ -119,6 +120,8 @@ def devices_of(settings: Settings) -> Devices | None:
 
 def is_replica(settings: Settings, devices: Devices) -> bool:
     """Several ranks, or a distributed backend even on one: else the one-device worker."""
+    if settings.extract_backend == ENGINE:  # one process; the engine spans the devices
+        return False
     return devices.ranks > 1 or settings.extract_backend in DISTRIBUTED
 
 

@@ -55,9 +55,15 @@ def worker_id() -> str:
 
 
 def extraction_config(settings: Settings) -> Any:
-    from datagen.extraction.extractor import ExtractionConfig  # torch loads here
+    from datagen.extraction.backends.vllm import EngineOptions  # torch loads here
+    from datagen.extraction.extractor import ExtractionConfig
+    from datagen.extraction.replica import parse_gpus
 
     threads = settings.extract_writer_threads
+    engine = EngineOptions(
+        python=settings.vllm_python, args=settings.vllm_args, inflight=settings.vllm_inflight,
+        start_timeout_s=settings.vllm_start_timeout_s,
+        tensor_parallel=parse_gpus(settings.gpus).ranks if settings.gpus else 1)
     return ExtractionConfig(
         model_path=settings.model_path, output_dir=str(extraction_dir(settings)),
         aux_layer_ids=tuple(settings.aux_layer_ids) if settings.aux_layer_ids else None,
@@ -66,7 +72,8 @@ def extraction_config(settings: Settings) -> Any:
         batch_tokens=settings.extract_batch_tokens,
         attn_implementation=settings.extract_attn_implementation,
         trust_remote_code=settings.trust_remote_code,
-        writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend)
+        writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend,
+        engine=engine)
 
 
 def file_sha256(path: Path) -> str:

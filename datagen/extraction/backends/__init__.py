@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-NAMES = ("hf", "hf-tp", "sglang")
+NAMES = ("hf", "hf-tp", "sglang", "vllm")
 # backends whose model spans the replica's ranks: each rank loads its part, all run each row
 DISTRIBUTED = ("hf-tp", "sglang")
+# the backend whose engine spans the replica's devices by itself: one worker process
+ENGINE = "vllm"
 
 
 def create(name: str, cfg: Any, device: Any) -> Any:
@@ -21,4 +23,7 @@ def create(name: str, cfg: Any, device: Any) -> Any:
     if name == "sglang":
         from datagen.extraction.backends import sglang
         return sglang.create(cfg, device)
+    if name == "vllm":
+        from datagen.extraction.backends import vllm
+        return vllm.create(cfg, device)
     raise ValueError(f"extract_backend={name!r}: expected one of {list(NAMES)}")

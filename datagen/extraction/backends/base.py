@@ -8,6 +8,8 @@ shards, batching, packing decisions, staging, files) is the Extractor's and the 
     hf       transformers on one device                        (backends/hf.py)
     hf-tp    transformers tensor parallelism over the replica  (backends/hf_tp.py)
     sglang   SGLang's model runner through SpecForge's capture (backends/sglang.py)
+    vllm     a vLLM engine whose connector writes the files itself (backends/vllm.py):
+             ``writes_files`` is True, ``extract(ids, loss_mask, path)`` replaces forward_row
 """
 
 from __future__ import annotations

@@ -1,0 +1,296 @@
+"""The `vllm` backend: a vLLM engine over the replica's devices writes each sample's file itself.
+
+The path for INT4 Kimi-K2.5 on a node: vLLM runs its compressed-tensors weights with tensor
+parallelism over the node's GPUs (``tensor_parallel_size`` = the replica's device count) and
+captures the aux layers inside its forward (the ``extract_hidden_states`` speculative method).
+This project's connector (datagen/extraction/vllm_connector.py, loaded into the engine by
+``kv_connector_module_path``) writes each finished request straight into SpecForge's
+``data_{idx}.ckpt``; nothing comes back to this process but the answer, and the Extractor only
+waits for the file and records it (manifest, counts), as for the other backends.
+
+The engine is vLLM's OpenAI-compatible server, started by this process from the Python of an
+environment that has vLLM (``vllm_python``; vLLM pins its own torch and transformers) under a
+small launcher: the server, its engine core and its workers share one process group that the
+launcher kills when this process dies (``PR_SET_PDEATHSIG``; a SIGKILLed API server leaves its
+engine core and workers running otherwise, measured), or when the backend closes. Each sample
+is one prefill-only request (``max_tokens`` 1) of its exact token ids; up to
+``vllm_inflight`` are in flight so the engine batches them.
+
+    POST /v1/completions {"prompt": [ids], "max_tokens": 1,
+                          "kv_transfer_params": {"hidden_states_path": <abs file>,
+                                                 "loss_spans": [[start, end], ...]}}
+
+The answer comes before the file is written: ``<file>.lock`` is held (flock) until the write
+ended, so the client waits on it, then checks that the file is there. An engine that stopped
+(connection refused, 5xx, a lock released with no file) ends the shard with ``EngineLost``:
+its written samples stay done and the shard is retried with a new engine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from datagen.errors import EngineLost
+from datagen.extraction.backends.sglang import text_config
+from datagen.extraction.estimate import default_aux_layer_ids
+
+log = logging.getLogger(__name__)
+
+SERVED_NAME = "datagen-target"
+CONNECTOR = "DatagenConnector"
+CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
+LOCK_POLL_S = 0.02
+
+# The process-group keeper: the session leader of the server's group. It ends the whole group
+# when the process that started it dies (SIGTERM from PR_SET_PDEATHSIG), when asked (SIGTERM),
+# or when the server exits by itself. Standard library only (it runs in vLLM's environment).
+LAUNCHER = r"""
+import ctypes, os, signal, subprocess, sys
+def end(*_):
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, end)
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    end()
+server = subprocess.Popen(sys.argv[2:])
+code = server.wait()
+print(f"vLLM server exited with {code}", file=sys.stderr, flush=True)
+end()
+"""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    python: str = ""              # "": this interpreter, when it can import vllm
+    args: str = ""                # more `vllm serve` arguments, shell-quoted
+    inflight: int = 64            # requests in flight
+    start_timeout_s: float = 1800.0
+    tensor_parallel: int = 1
+    log_path: str = ""            # "": <output_dir>/logs/vllm-<host>-<pid>.log
+
+
+def vllm_ids(aux_ids: Sequence[int], num_layers: int) -> list[int]:
+    """vLLM's capture ids for this project's aux layers: id j is the input of layer j, so the
+    output of layer i is id i+1; id N (the last layer's pre-norm output) comes last."""
+    return [i + 1 for i in aux_ids] + [num_layers]
+
+
+def engine_python(wanted: str) -> str:
+    if wanted:
+        if not Path(wanted).is_file():
+            raise ValueError(f"vllm_python={wanted!r}: no such file (the Python of an "
+                             "environment with vLLM: `make vllm-env` makes .venv-vllm)")
+        return wanted
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("extract_backend='vllm' needs vLLM: set vllm_python to the Python of "
+                         "an environment that has it (`make vllm-env` makes "
+                         ".venv-vllm/bin/python), or install vllm here")
+    return sys.executable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def repo_root() -> str:
+    """The folder holding the `datagen` package: the engine imports the connector from it."""
+    return str(Path(__file__).resolve().parents[3])
+
+
+class VLLMServer:
+    """vLLM's OpenAI-compatible server in a process group of its own, ready on return."""
+
+    def __init__(self, cfg: Any, opts: EngineOptions, aux_ids: Sequence[int], num_layers: int):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        out = Path(cfg.output_dir).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(opts.log_path or out / "logs" /
+                             f"vllm-{socket.gethostname()}-{os.getpid()}.log")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {
+                    "eagle_aux_hidden_state_layer_ids": vllm_ids(aux_ids, num_layers)}}}
+        kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
+              "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"shared_storage_path": str(out),
+                                            "allow_custom_save_path": True,
+                                            "dtype": cfg.dtype}}
+        python = engine_python(opts.python)
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path,
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+               "--port", str(self.port), "--dtype", cfg.dtype,
+               "--max-model-len", str(cfg.max_length + 1),  # + the one token it generates
+               "--tensor-parallel-size", str(opts.tensor_parallel),
+               "--skip-tokenizer-init", "--no-enable-prefix-caching",
+               "--speculative-config", json.dumps(spec),
+               "--kv-transfer-config", json.dumps(kv), *shlex.split(opts.args)]
+        if cfg.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH"))
+                                            if p)
+        log.info("starting vLLM (%s, TP %d) for %s; log: %s", python, opts.tensor_parallel,
+                 cfg.model_path, self.log_path)
+        with open(self.log_path, "ab") as fh:
+            self.proc = subprocess.Popen(
+                [python, "-c", LAUNCHER, str(os.getpid()), *cmd], stdout=fh,
+                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            self._wait_ready(opts.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import requests
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive():
+                raise EngineLost(f"vLLM exited with {self.proc.returncode} while starting: "
+                                 f"{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    log.info("vLLM ready on %s after %.0fs", self.url, time.monotonic() - t0)
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise EngineLost(f"vLLM not ready after {timeout_s:.0f}s (vllm_start_timeout_s); "
+                         f"log: {self.log_path}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return "\n".join(text[-lines:]) + f"\n(whole log: {self.log_path})"
+
+    def stop(self) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+def loss_spans(mask: Sequence[int]) -> list[list[int]]:
+    """[start, end) runs of 1 in a loss mask."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append([start, i])
+            start = None
+    return spans
+
+
+class VLLMBackend:
+    packs = False
+    writes_files = True  # the engine writes each sample's file; forward_row is never called
+
+    def __init__(self, cfg: Any, device: torch.device, opts: EngineOptions):
+        config = text_config(cfg.model_path)
+        self.hidden = int(config["hidden_size"])
+        self.num_layers = int(config["num_hidden_layers"])
+        self.vocab_size = int(config["vocab_size"])
+        self.aux_layer_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(self.num_layers))
+        if any(not 0 <= i < self.num_layers for i in self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids {list(self.aux_layer_ids)} outside "
+                             f"[0, {self.num_layers}) decoder layers")
+        self.n_aux = len(self.aux_layer_ids)
+        self.width = (self.n_aux + 1) * self.hidden
+        self.device = device
+        self.inflight = opts.inflight
+        self.read_timeout_s = max(600.0, opts.start_timeout_s)
+        self.server = VLLMServer(cfg, opts, self.aux_layer_ids, self.num_layers)
+        self._local = threading.local()
+
+    def forward_row(self, id_lists: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+        raise NotImplementedError("the vllm backend writes files: Extractor uses extract()")
+
+    def _session(self) -> Any:
+        import requests
+
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def extract(self, ids: Sequence[int], mask: Sequence[int], path: Path) -> int:
+        """One sample through the engine into ``path``; returns the file's size."""
+        import requests
+
+        path = path.resolve()
+        path.unlink(missing_ok=True)  # an older file of this sample, never recorded: rewritten
+        body = {"model": SERVED_NAME, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                "kv_transfer_params": {"hidden_states_path": str(path),
+                                       "loss_spans": loss_spans(mask)}}
+        try:
+            resp = self._session().post(self.server.url + "/v1/completions", json=body,
+                                        timeout=(5, self.read_timeout_s))
+        except requests.RequestException as exc:
+            raise self._lost(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 500:
+            raise self._lost(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code != 200:  # the engine refused this sample (too long, bad ids)
+            raise ValueError(f"vLLM answered {resp.status_code}: {resp.text[:300]}")
+        self._wait_written(path)
+        if not path.is_file():
+            raise self._lost(f"vLLM answered but wrote no {path.name}")
+        return path.stat().st_size
+
+    def _wait_written(self, path: Path) -> None:
+        lock = Path(f"{path}.lock")
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # nothing was ever locked: the caller finds no file
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not self.server.alive():
+                        break
+                    time.sleep(LOCK_POLL_S)
+        finally:
+            os.close(fd)
+        lock.unlink(missing_ok=True)
+
+    def _lost(self, why: str) -> EngineLost:
+        state = "running" if self.server.alive() else f"exited ({self.server.proc.returncode})"
+        return EngineLost(f"vLLM engine {state}: {why}; log: {self.server.log_path}")
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+def create(cfg: Any, device: torch.device) -> VLLMBackend:
+    return VLLMBackend(cfg, device, cfg.engine)

@@ -1,0 +1,184 @@
+"""The KV connector the `vllm` backend loads into vLLM: each request's states straight into
+SpecForge's ``data_{idx}.ckpt``.
+
+Runs inside the vLLM engine (its own virtualenv: it imports only torch, safetensors, vLLM and
+datagen.extraction.files), loaded by ``kv_connector_module_path``. vLLM's
+``extract_hidden_states`` method keeps, per token, the inputs of the layers listed in the
+draft config's ``eagle_aux_hidden_state_layer_ids`` in a cache group of its own; vLLM's id j is
+the *input* of decoder layer j, so the backend asks for [a+1, b+1, c+1, N]: the outputs of
+this project's aux layers a, b, c, then the last layer's pre-norm output. When a request ends,
+this connector takes its rows of that cache and writes the sample as the `hf` backend does:
+
+    input_ids        int64 [L]          the request's prompt (prompt + response of the record)
+    loss_mask        int64 [L]          1 inside kv_transfer_params["loss_spans"]
+    aux_hidden_state dtype [1, L, 3H]   aux layers, low | mid | high
+    hidden_state     dtype [1, L, H]    the final RMSNorm over id N (weight read from the
+                                        checkpoint: SpecForge stores the post-norm state)
+
+under a temp name, fsynced and renamed (files.save_atomic), at the absolute
+``hidden_states_path`` the request names, which must lie under ``shared_storage_path``. A
+``<file>.lock`` (flock LOCK_EX) exists before the answer reaches the client and is released
+when the write ended, written or not: the client waits on it, then checks the file.
+
+Only tensor-parallel rank 0 writes. On CUDA the rows are copied on a side stream into pinned
+memory and the norm and write run in writer threads, so the forward never waits on the disk
+(vLLM's example connector does the same); on the CPU the rows are cloned in the engine's step
+and written by the same threads. Everything else is vLLM's ``ExampleHiddenStatesConnector``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+from datagen.extraction.files import save_atomic
+
+log = logging.getLogger("datagen.vllm_connector")
+
+NORM_KEYS = ("model.norm.weight", "language_model.model.norm.weight")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _Copied:
+    """The CPU path's stand-in for a CUDA event: the rows are already on the host."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def final_norm_weight(model_path: str) -> torch.Tensor:
+    """The final RMSNorm's weight from the checkpoint (a text model's or a multimodal one's)."""
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = {key: weight_map[key] for key in NORM_KEYS if key in weight_map}
+    else:
+        files = {key: "model.safetensors" for key in NORM_KEYS}
+    for key, name in files.items():
+        with safe_open(str(folder / name), framework="pt") as fh:
+            if key in fh.keys():
+                return fh.get_tensor(key)
+    raise KeyError(f"{model_path}: none of {list(NORM_KEYS)} in the checkpoint")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm / DeepseekV3RMSNorm, in the same order of operations."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(weight.dtype)
+
+
+def loss_mask(spans: list[list[int]], n: int) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.int64)
+    for start, end in spans:
+        mask[start:end] = 1
+    return mask
+
+
+class DatagenConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.get_from_extra_config
+        self._root = Path(self._storage_path).resolve()
+        self._dtype = DTYPES[extra("dtype", "bfloat16")]
+        self._model_path = vllm_config.model_config.model
+        self._eps = float(vllm_config.model_config.hf_text_config.rms_norm_eps)
+        self._norm: torch.Tensor | None = None  # rank 0's worker loads it with the caches
+        self._spans: dict[str, list[list[int]]] = {}  # scheduler side, by request id
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        pending = self._pending_saves.get(request.request_id)
+        if pending is not None:
+            spans = (request.kv_transfer_params or {}).get("loss_spans") or []
+            pending.loss_spans = [list(map(int, s)) for s in spans]  # travels to the worker
+        return delay, params
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self._is_tp_rank_zero:
+            self._norm = final_norm_weight(self._model_path).to(self._dtype)
+
+    def _inside_root(self, filename: str) -> bool:
+        return Path(filename).resolve().is_relative_to(self._root)
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        lock_fd = self._lock_fds.pop(pending.req_id, None)
+        if lock_fd is None:
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        if not self._inside_root(pending.filename):
+            log.error("request %s: %s is outside %s; nothing written", pending.req_id,
+                      pending.filename, self._root)
+            os.close(lock_fd)
+            return
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        slots = (torch.arange(self._block_size, dtype=torch.long)[None, :]
+                 + blocks[:, None] * self._block_size).flatten()
+        n = int(pending.token_ids.shape[0])
+        if self._kv_cache.is_cuda:
+            event, rows = self._copy_to_host(slots, n)
+        else:
+            event, rows = _Copied(), extract_from_kv_cache(self._kv_cache, slots, n).clone()
+        job = self._executor.submit(self._write_sample, rows, event, pending.token_ids.clone(),
+                                    getattr(pending, "loss_spans", []), pending.filename,
+                                    lock_fd)
+        self._req_copy_events[pending.req_id] = event
+        self._req_futures[pending.req_id] = job
+        job.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
+
+    def _copy_to_host(self, slots: torch.Tensor, n: int) -> tuple[Any, torch.Tensor]:
+        """CUDA only: the rows into pinned memory on a side stream; the event marks the end."""
+        stream = self._get_copy_stream()
+        ready = torch.cuda.Event()
+        ready.record()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            rows = extract_from_kv_cache(self._kv_cache,
+                                         slots.to(self._kv_cache.device, non_blocking=True), n)
+            host = torch.empty_like(rows, device="cpu", pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done, host
+
+    def _write_sample(self, rows: torch.Tensor, event: Any, token_ids: torch.Tensor,
+                      spans: list[list[int]], filename: str, lock_fd: int) -> None:
+        """A writer thread: rows [L, ids, H] -> the SpecForge file; the lock goes either way."""
+        try:
+            event.synchronize()
+            assert self._norm is not None
+            n, ids, hidden = rows.shape
+            aux = rows[:, :ids - 1, :].reshape(1, n, (ids - 1) * hidden).to(self._dtype)
+            final = rms_norm(rows[:, ids - 1, :], self._norm, self._eps).reshape(1, n, hidden)
+            save_atomic(Path(filename), {
+                "input_ids": token_ids.to(torch.int64), "loss_mask": loss_mask(spans, n),
+                "aux_hidden_state": aux.contiguous(), "hidden_state": final.contiguous()})
+        finally:
+            os.close(lock_fd)
