@@ -5,9 +5,11 @@ Runs inside the vLLM engine (its own virtualenv: it imports only torch, safetens
 datagen.extraction.files), loaded by ``kv_connector_module_path``. vLLM's
 ``extract_hidden_states`` method keeps, per token, the inputs of the layers listed in the
 draft config's ``eagle_aux_hidden_state_layer_ids`` in a cache group of its own; vLLM's id j is
-the *input* of decoder layer j, so the backend asks for [a+1, b+1, c+1, N]: the outputs of
-this project's aux layers a, b, c, then the last layer's pre-norm output. When a request ends,
-this connector takes its rows of that cache and writes the sample as the `hf` backend does:
+the *input* of decoder layer j, so the backend asks for the distinct ids of [a+1, b+1, c+1, N]:
+the outputs of this project's aux layers a, b, c, and the last layer's pre-norm output. vLLM
+keeps one state per distinct id, in layer order; ``slots`` (extra config) says which of them
+goes where in the file. When a request ends, this connector takes its rows of that cache and
+writes the sample as the `hf` backend does:
 
     input_ids        int64 [L]          the request's prompt (prompt + response of the record)
     loss_mask        int64 [L]          1 inside kv_transfer_params["loss_spans"]
@@ -98,6 +100,7 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         extra = self._kv_transfer_config.get_from_extra_config
         self._root = Path(self._storage_path).resolve()
         self._dtype = DTYPES[extra("dtype", "bfloat16")]
+        self._slots = [int(i) for i in extra("slots", [])]  # aux states in file order, then final
         self._model_path = vllm_config.model_config.model
         self._eps = float(vllm_config.model_config.hf_text_config.rms_norm_eps)
         self._norm: torch.Tensor | None = None  # rank 0's worker loads it with the caches
@@ -174,9 +177,10 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         try:
             event.synchronize()
             assert self._norm is not None
-            n, ids, hidden = rows.shape
-            aux = rows[:, :ids - 1, :].reshape(1, n, (ids - 1) * hidden).to(self._dtype)
-            final = rms_norm(rows[:, ids - 1, :], self._norm, self._eps).reshape(1, n, hidden)
+            n, hidden = rows.shape[0], rows.shape[2]
+            aux_slots, last = self._slots[:-1], self._slots[-1]
+            aux = rows[:, aux_slots, :].reshape(1, n, len(aux_slots) * hidden).to(self._dtype)
+            final = rms_norm(rows[:, last, :], self._norm, self._eps).reshape(1, n, hidden)
             save_atomic(Path(filename), {
                 "input_ids": token_ids.to(torch.int64), "loss_mask": loss_mask(spans, n),
                 "aux_hidden_state": aux.contiguous(), "hidden_state": final.contiguous()})

@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -85,10 +86,14 @@ class EngineOptions:
     log_path: str = ""            # "": <output_dir>/logs/vllm-<host>-<pid>.log
 
 
-def vllm_ids(aux_ids: Sequence[int], num_layers: int) -> list[int]:
-    """vLLM's capture ids for this project's aux layers: id j is the input of layer j, so the
-    output of layer i is id i+1; id N (the last layer's pre-norm output) comes last."""
-    return [i + 1 for i in aux_ids] + [num_layers]
+def vllm_capture(aux_ids: Sequence[int], num_layers: int) -> tuple[list[int], list[int]]:
+    """vLLM's capture ids for this project's aux layers, and where each stored state is among
+    them. vLLM's id j is the input of layer j, so the output of layer i is id i+1, and id N
+    (the last layer's pre-norm output) gives the final state. vLLM keeps one state per distinct
+    id, in layer order; the file keeps the aux layers in ``aux_ids`` order, then the final."""
+    wanted = [i + 1 for i in aux_ids] + [num_layers]
+    ids = sorted(set(wanted))
+    return ids, [ids.index(i) for i in wanted]
 
 
 def engine_python(wanted: str) -> str:
@@ -128,14 +133,15 @@ class VLLMServer:
         self.log_path = Path(opts.log_path or out / "logs" /
                              f"vllm-{socket.gethostname()}-{os.getpid()}.log")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        capture, slots = vllm_capture(aux_ids, num_layers)
         spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {
-                    "eagle_aux_hidden_state_layer_ids": vllm_ids(aux_ids, num_layers)}}}
+                    "eagle_aux_hidden_state_layer_ids": capture}}}
         kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
               "kv_role": "kv_producer",
               "kv_connector_extra_config": {"shared_storage_path": str(out),
                                             "allow_custom_save_path": True,
-                                            "dtype": cfg.dtype}}
+                                            "dtype": cfg.dtype, "slots": slots}}
         python = engine_python(opts.python)
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model_path,
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
@@ -183,12 +189,15 @@ class VLLMServer:
         raise EngineLost(f"vLLM not ready after {timeout_s:.0f}s (vllm_start_timeout_s); "
                          f"log: {self.log_path}")
 
-    def log_tail(self, lines: int = 15) -> str:
+    def log_tail(self) -> str:
+        """The first error vLLM logged (its workers' root cause comes before the API server's
+        own traceback), else the log's last lines."""
         try:
             text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
             return f"(no log at {self.log_path})"
-        return "\n".join(text[-lines:]) + f"\n(whole log: {self.log_path})"
+        errors = [line for line in text if re.search(r"\b\w+(Error|Exception): ", line)]
+        return (errors[0] if errors else "\n".join(text[-15:])) + f" (log: {self.log_path})"
 
     def stop(self) -> None:
         if self.alive():
