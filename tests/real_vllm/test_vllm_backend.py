@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from datagen.builders.tiny_deepseek import build_tiny_deepseek_v3
+from datagen.builders.tiny_kimi import build_tiny_kimi_k25
 from datagen.builders.tiny_model import build_tiny_llama
 from datagen.extraction import ledger as xlm
 from datagen.extraction.backends.vllm import EngineOptions
@@ -165,23 +166,35 @@ def test_a_killed_vllm_replica_leaves_no_half_file_and_another_finishes_with_hfs
         ref, encoder.vocab_size)
 
 
-def test_a_tiny_deepseek_v3_mla_and_moe_on_vllm_matches_transformers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["deepseek_v3", "kimi_k25"])
+def test_a_tiny_deepseek_v3_mla_and_moe_on_vllm_matches_transformers(
+        tmp_path: Path, layout: str) -> None:
     """Kimi-K2.5's text backbone in small: MLA (latent 512 + 64, as vLLM's CPU kernel needs)
-    and 8 routed experts with noaux_tc routing. Float32 states per sample within 3% (relative
-    Frobenius norm) of transformers': measured 0.4-1.6% (median 0.85%) over 12 samples on
-    2026-12-04. vLLM's MLA computes attention in the absorbed latent form, transformers
-    in the expanded one, and a small difference in a router score can move a token to
-    another expert, so it is not float32 rounding; ids and loss masks are exact."""
+    and 8 routed experts with noaux_tc routing, as a plain DeepseekV3ForCausalLM and inside
+    Kimi-K2.5's own wrapper (KimiK25ForConditionalGeneration, text_config, language_model.
+    weights; vLLM skips the vision tower). transformers runs the same text weights. Float32
+    states per sample within 3% (relative Frobenius norm) of transformers': measured
+    0.4-1.6% (median 0.85%) over 12 samples, 1.4% at most through the wrapper (2026-12-04).
+    vLLM's MLA computes attention in the absorbed latent form, transformers in the expanded
+    one, and a small difference in a router score can move a token to another expert, so it
+    is not float32 rounding; ids and loss masks are exact."""
     python = vllm_python()
-    model = build_tiny_deepseek_v3(tmp_path / "dsv3", 512, hidden_size=128, num_layers=8,
-                                   for_vllm=True)
+    if layout == "kimi_k25":
+        engine_model = build_tiny_kimi_k25(tmp_path / "kimi", 512, hidden_size=128,
+                                           num_layers=8)
+        config = json.loads((engine_model / "config.json").read_text())
+        assert config["architectures"] == ["KimiK25ForConditionalGeneration"]
+        model = engine_model / "text-backbone"  # the same weights, for transformers
+    else:
+        model = engine_model = build_tiny_deepseek_v3(tmp_path / "dsv3", 512, hidden_size=128,
+                                                      num_layers=8, for_vllm=True)
     rng = random.Random(1)
     recs = [{"idx": i, "id": f"s{i}", "dataset": "d",
              "prompt_ids": [rng.randrange(512) for _ in range(rng.randint(1, 20))],
              "output_ids": [rng.randrange(512) for _ in range(rng.randint(5, 80))]}
             for i in range(12)]
     shard = write_jsonl(tmp_path / "shard.jsonl", recs)
-    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "vllm"),
+    cfg = ExtractionConfig(model_path=str(engine_model), output_dir=str(tmp_path / "vllm"),
                            dtype="float32", device="cpu", max_length=512, backend="vllm",
                            engine=EngineOptions(python=python, args="--enforce-eager"))
     with Extractor(cfg) as ex:

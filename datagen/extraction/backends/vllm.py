@@ -57,6 +57,7 @@ SERVED_NAME = "datagen-target"
 CONNECTOR = "DatagenConnector"
 CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
 LOCK_POLL_S = 0.02
+MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
 
 # The process-group keeper: the session leader of the server's group. It ends the whole group
 # when the process that started it dies (SIGTERM from PR_SET_PDEATHSIG), when asked (SIGTERM),
@@ -111,6 +112,11 @@ def engine_python(wanted: str) -> str:
     return sys.executable
 
 
+def multimodal(model_path: str) -> bool:
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    return "vision_config" in config
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -153,6 +159,9 @@ class VLLMServer:
                "--kv-transfer-config", json.dumps(kv), *shlex.split(opts.args)]
         if cfg.trust_remote_code:
             cmd.append("--trust-remote-code")
+        if multimodal(cfg.model_path) and "--limit-mm-per-prompt" not in opts.args:
+            # text only: vLLM then never builds the vision tower (Kimi-K2.5's MoonViT)
+            cmd += ["--limit-mm-per-prompt", json.dumps({m: 0 for m in MEDIA})]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH"))
                                             if p)
@@ -196,7 +205,8 @@ class VLLMServer:
             text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
             return f"(no log at {self.log_path})"
-        errors = [line for line in text if re.search(r"\b\w+(Error|Exception): ", line)]
+        errors = [line for line in text if " WARNING " not in line
+                  and re.search(r"\b\w+(Error|Exception): ", line)]
         return (errors[0] if errors else "\n".join(text[-15:])) + f" (log: {self.log_path})"
 
     def stop(self) -> None:
