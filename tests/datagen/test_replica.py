@@ -36,11 +36,16 @@ def test_start_refused_with_fewer_devices_or_a_one_device_backend() -> None:
         check_start(s, parse_gpus("0-7"), visible=2)
     check_start(s, parse_gpus("0-7"), visible=8)
     hf = s.replace(extract_backend="hf")
-    with pytest.raises(ValueError, match=r"runs on one device: use hf-tp or sglang"):
+    with pytest.raises(ValueError, match=r"runs on one device: use vllm, hf-tp or sglang"):
         check_start(hf, parse_gpus("0-7"), visible=8)
     with pytest.raises(ValueError, match=r"sglang' needs CUDA"):
         check_start(s.replace(extract_backend="sglang"), parse_gpus("cpu:2"))
     assert not is_replica(hf, parse_gpus("3")) and is_replica(s, parse_gpus("3"))
+    # vllm: one worker process whose engine spans the 8 devices itself (its own TP)
+    engine = s.replace(extract_backend="vllm")
+    check_start(engine, parse_gpus("0-7"), visible=8)
+    assert not is_replica(engine, parse_gpus("0-7"))
+    assert runner.extraction_config(engine).engine.tensor_parallel == 8
 
 
 def test_ranks_see_the_replica_devices_among_the_visible_ones() -> None:
