@@ -4,6 +4,10 @@
 #   1. backend hf: forward alone vs the pipeline with files written (goal: pipeline >= 0.9x
 #      forward alone, >= 30,000 tokens/s)
 #   2. backend hf-tp with one rank (the replica path: process group, row announcements)
+#   3. backend vllm against hf on the same samples (bench/bench_vllm_extract.py), where the
+#      machine has a CUDA vLLM (VLLM_PY, default .venv-vllm-cuda/bin/python): vLLM's CUDA wheel
+#      is ~0.5 GB with its torch several GB more, over what a device call can carry, so a lent
+#      machine without one skips it with that line
 # Results: $OUT/extract_h200_hf.json, $OUT/extract_h200_hf_tp1.json, $OUT/extract_h200.json
 # (summary). Not run yet: no GPU was lent to the session that wrote it.
 set -euo pipefail
@@ -19,6 +23,15 @@ timeout 200 "$PY" -m bench.bench_extract --n-samples 32 --naive-samples 2 \
 # the replica path saves the random model (16 GB) to local scratch and loads it with tp_plan
 timeout 280 "$PY" -m bench.bench_extract --n-samples 32 --backend hf-tp --ranks 1 \
     --work-dir "${WORK:-/tmp}" --out "$OUT/extract_h200_hf_tp1.json"
+
+VLLM_PY=${VLLM_PY:-.venv-vllm-cuda/bin/python}
+if [ -x "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+    timeout 400 "$PY" bench/bench_vllm_extract.py --hidden 4096 --layers 32 --heads 32 \
+        --vocab 128256 --n-samples 64 --min-len 2048 --max-len 4096 --vllm-python "$VLLM_PY" \
+        --vllm-args "" --inflight 64 --out "$OUT/extract_h200_vllm.json"
+else
+    echo "vllm backend skipped: no CUDA vLLM at $VLLM_PY on this machine"
+fi
 
 "$PY" - "$OUT" <<'PY'
 import json, sys

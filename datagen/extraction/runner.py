@@ -56,8 +56,8 @@ def worker_id() -> str:
 
 def extraction_config(settings: Settings) -> Any:
     from datagen.extraction.backends.vllm import EngineOptions  # torch loads here
+    from datagen.extraction.devices import parse_gpus
     from datagen.extraction.extractor import ExtractionConfig
-    from datagen.extraction.replica import parse_gpus
 
     threads = settings.extract_writer_threads
     engine = EngineOptions(

@@ -57,6 +57,7 @@ SERVED_NAME = "datagen-target"
 CONNECTOR = "DatagenConnector"
 CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
 LOCK_POLL_S = 0.02
+CPU_KV_CACHE_GIB = "2"
 MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
 
 # The process-group keeper: the session leader of the server's group. It ends the whole group
@@ -163,6 +164,9 @@ class VLLMServer:
             # text only: vLLM then never builds the vision tower (Kimi-K2.5's MoonViT)
             cmd += ["--limit-mm-per-prompt", json.dumps({m: 0 for m in MEDIA})]
         env = dict(os.environ)
+        # vLLM's CPU build otherwise reserves 92% of the host's memory for its KV cache and
+        # refuses to start beside anything else; GPU builds ignore the variable
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH"))
                                             if p)
         log.info("starting vLLM (%s, TP %d) for %s; log: %s", python, opts.tensor_parallel,
