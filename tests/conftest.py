@@ -105,6 +105,19 @@ def encoder(tokenizer_dir: Path) -> Any:
     return ChatEncoder(tokenizer_dir)
 
 
+def manifest_idxs(folder: Path) -> list[int]:
+    """The sample idxs an extraction folder's manifests list (a line torn by a kill is not an
+    entry)."""
+    idxs = []
+    for path in (folder / "manifest").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                idxs.append(json.loads(line)["idx"])
+            except json.JSONDecodeError:
+                pass
+    return idxs
+
+
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CLI_HANG_S, Stack, wait_until, write_jsonl
+from conftest import CLI_HANG_S, Stack, manifest_idxs, wait_until, write_jsonl
 from test_pipeline import make_partition, run_to_end
 
 from cli.main import main
@@ -48,17 +48,6 @@ def shard_records(out: Path) -> list[dict]:
     for shard in read_manifest(training_dir(out))["shards"]:
         recs += [json.loads(x) for x in (out / shard["path"]).read_text().splitlines()]
     return recs
-
-
-def manifest_idxs(folder: Path) -> list[int]:
-    idxs = []
-    for path in (folder / "manifest").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                idxs.append(json.loads(line)["idx"])
-            except json.JSONDecodeError:
-                pass  # a line torn by a kill is not an entry
-    return idxs
 
 
 def check_specforge_file(path: Path, ids: list[int], n_prompt: int) -> None:

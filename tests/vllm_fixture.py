@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from sglang_fixture import in_ci
 
 from cli.stack import REPO
-from tests.sglang_fixture import in_ci
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 

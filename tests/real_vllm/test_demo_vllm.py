@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_fixture import vllm_python
 
 from cli.stack import REPO
-from tests.vllm_fixture import vllm_python
 
 
 @pytest.mark.timeout(1500)

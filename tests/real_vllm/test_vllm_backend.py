@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Stack, manifest_idxs, wait_until, write_jsonl
+from vllm_fixture import vllm_python
 
 from datagen.builders.tiny_deepseek import build_tiny_deepseek_v3
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
@@ -26,8 +28,6 @@ from datagen.extraction.backends.vllm import EngineOptions
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.generation.ledger import connect
 from datagen.training.training_set import extraction_dir, read_manifest, training_dir
-from tests.conftest import Stack, wait_until, write_jsonl
-from tests.vllm_fixture import vllm_python
 
 # vLLM's CPU attention takes head sizes of 32 and more (16 fails: "Unsupported CPU attention
 # configuration: head_dim=16"): 128 hidden over 2 heads
@@ -58,17 +58,6 @@ def alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
-
-
-def manifest_idxs(folder: Path) -> list[int]:
-    idxs = []
-    for path in (folder / "manifest").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                idxs.append(json.loads(line)["idx"])
-            except json.JSONDecodeError:
-                pass  # a line torn by a kill is not an entry
-    return idxs
 
 
 def datagen(monkeypatch: pytest.MonkeyPatch, stack: Stack, *argv: str) -> int:

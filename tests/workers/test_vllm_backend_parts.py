@@ -10,7 +10,7 @@ import torch
 
 from config.settings import SettingsError, load_settings
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
-from datagen.extraction.backends.sglang import text_config
+from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.vllm import (
     engine_python,
     loss_spans,

@@ -14,7 +14,9 @@ shards, batching, packing decisions, staging, files) is the Extractor's and the 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -31,3 +33,26 @@ class Backend(Protocol):
     def forward_row(self, id_lists: Sequence[Sequence[int]], out: Any) -> None: ...
 
     def close(self) -> None: ...
+
+
+def text_config(model_path: str) -> dict[str, Any]:
+    """The language model's config.json entries (multimodal checkpoints nest them)."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    return config.get("text_config", config)
+
+
+def set_shape(backend: Any, config: dict[str, Any], aux_ids: Sequence[int] | None,
+              device: Any) -> None:
+    """A backend's shape attributes from the text config; aux ids default to SpecForge's."""
+    from datagen.extraction.estimate import default_aux_layer_ids
+
+    backend.hidden = int(config["hidden_size"])
+    backend.num_layers = int(config["num_hidden_layers"])
+    backend.vocab_size = int(config["vocab_size"])
+    backend.aux_layer_ids = tuple(aux_ids or default_aux_layer_ids(backend.num_layers))
+    if any(not 0 <= i < backend.num_layers for i in backend.aux_layer_ids):
+        raise ValueError(f"aux_layer_ids {list(backend.aux_layer_ids)} outside "
+                         f"[0, {backend.num_layers}) decoder layers")
+    backend.n_aux = len(backend.aux_layer_ids)
+    backend.width = (backend.n_aux + 1) * backend.hidden
+    backend.device = device

@@ -23,21 +23,13 @@ the aux layers is checked against the `hf` files in tests/real_sglang/test_aux_s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from datagen.extraction.backends.base import set_shape, text_config
 from datagen.extraction.backends.hf import DTYPES
-from datagen.extraction.estimate import default_aux_layer_ids
-
-
-def text_config(model_path: str) -> dict[str, Any]:
-    """The language model's config.json entries (multimodal checkpoints nest them)."""
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    return config.get("text_config", config)
 
 
 class SGLangBackend:
@@ -46,16 +38,7 @@ class SGLangBackend:
     def __init__(self, capture: Any, config: dict[str, Any], aux_ids: Sequence[int] | None,
                  device: torch.device):
         self.capture = capture
-        self.hidden = int(config["hidden_size"])
-        self.num_layers = int(config["num_hidden_layers"])
-        self.vocab_size = int(config["vocab_size"])
-        self.aux_layer_ids = tuple(aux_ids or default_aux_layer_ids(self.num_layers))
-        if any(not 0 <= i < self.num_layers for i in self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids {list(self.aux_layer_ids)} outside "
-                             f"[0, {self.num_layers}) decoder layers")
-        self.n_aux = len(self.aux_layer_ids)
-        self.width = (self.n_aux + 1) * self.hidden
-        self.device = device
+        set_shape(self, config, aux_ids, device)
         capture.set_capture_layers(list(self.aux_layer_ids))
 
     @torch.no_grad()

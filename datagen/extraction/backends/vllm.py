@@ -48,8 +48,7 @@ from typing import Any
 import torch
 
 from datagen.errors import EngineLost
-from datagen.extraction.backends.sglang import text_config
-from datagen.extraction.estimate import default_aux_layer_ids
+from datagen.extraction.backends.base import set_shape, text_config
 
 log = logging.getLogger(__name__)
 
@@ -239,17 +238,7 @@ class VLLMBackend:
     writes_files = True  # the engine writes each sample's file; forward_row is never called
 
     def __init__(self, cfg: Any, device: torch.device, opts: EngineOptions):
-        config = text_config(cfg.model_path)
-        self.hidden = int(config["hidden_size"])
-        self.num_layers = int(config["num_hidden_layers"])
-        self.vocab_size = int(config["vocab_size"])
-        self.aux_layer_ids = tuple(cfg.aux_layer_ids or default_aux_layer_ids(self.num_layers))
-        if any(not 0 <= i < self.num_layers for i in self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids {list(self.aux_layer_ids)} outside "
-                             f"[0, {self.num_layers}) decoder layers")
-        self.n_aux = len(self.aux_layer_ids)
-        self.width = (self.n_aux + 1) * self.hidden
-        self.device = device
+        set_shape(self, text_config(cfg.model_path), cfg.aux_layer_ids, device)
         self.inflight = opts.inflight
         self.read_timeout_s = max(600.0, opts.start_timeout_s)
         self.server = VLLMServer(cfg, opts, self.aux_layer_ids, self.num_layers)
