@@ -211,7 +211,7 @@ def test_a_replica_refuses_to_start_with_one_line(stack: Stack, tmp_path: Path) 
     cases = [  # (settings, what the one line must say)
         ({"model_path": str(model), "gpus": "0-7", "extract_backend": "hf-tp"},
          "gpus='0-7' asks for device 7 but 0 CUDA devices are visible"),
-        ({"model_path": str(model), "gpus": "cpu:2"}, "runs on one device: use hf-tp"),
+        ({"model_path": str(model), "gpus": "cpu:2"}, "runs on one device: use vllm, hf-tp"),
         ({"model_path": str(model), "gpus": "0-x"}, "expected device ids like 0-7"),
         ({"model_path": "", "gpus": "cpu:2", "extract_backend": "hf-tp"}, "model_path"),
     ]
