@@ -32,10 +32,12 @@ import random
 import re
 import select
 import socket
+import struct
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -168,15 +170,24 @@ class SGLangClient:
                                          headers=headers, timeout=self.timeout)
                 status, content, reason = resp.status_code, resp.content, resp.reason or ""
             else:
-                status, content, reason = _post(self._direct.connection(),
-                                                self._direct.path + "/generate",
-                                                json.dumps(body).encode(), headers)
+                conn = self._direct.connection()
+                with self._direct.in_flight(conn):
+                    status, content, reason = _post(conn, self._direct.path + "/generate",
+                                                    json.dumps(body).encode(), headers)
         except (TimeoutError, requests.Timeout) as exc:
             self.abort(rid)
             raise ServerUnavailable(f"/generate timed out for rid {rid}: {exc}") from exc
         except (OSError, http.client.HTTPException) as exc:  # requests' errors are OSErrors
             raise ServerUnavailable(f"/generate failed: {type(exc).__name__}: {exc}") from exc
         return _parse_generation(status, content, reason, started)
+
+    def drop_in_flight(self) -> int:
+        """Abort this process's /generate connections that wait for an answer (the server
+        cannot be reached from here): their threads get ServerUnavailable at once instead of
+        waiting up to ``read_timeout_s``, and what the kernel had not yet delivered is
+        discarded, so a request still on its way cannot reach the server after the network
+        heals and run there again. Returns how many."""
+        return self._direct.drop_in_flight() if self._direct is not None else 0
 
     def abort(self, rid: str) -> None:
         """``/abort_request`` for exactly ``rid`` (SGLang 0.5.23 drops a rid it does not
@@ -343,6 +354,8 @@ class _Connections:
         self.host, self.port, self.path = host, port, path
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self._local = threading.local()
+        self._busy: set[http.client.HTTPConnection] = set()  # waiting for an answer
+        self._busy_lock = threading.Lock()
 
     @classmethod
     def for_url(cls, url: str, connect_timeout_s: float, read_timeout_s: float
@@ -375,6 +388,37 @@ class _Connections:
             # the headers' ACK (Nagle against delayed ACKs). urllib3 and aiohttp set it too.
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
+
+
+    @contextmanager
+    def in_flight(self, conn: http.client.HTTPConnection) -> Iterator[None]:
+        with self._busy_lock:
+            self._busy.add(conn)
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy.discard(conn)
+
+    def drop_in_flight(self) -> int:
+        """Reset every busy connection: linger 0, then a shutdown of its reading side, which
+        wakes the thread blocked on the answer and sends nothing; that thread closes the
+        connection itself (closing another thread's socket is unsafe), and with linger 0
+        the close throws away unsent bytes and sends RST, not FIN."""
+        with self._busy_lock:
+            busy = list(self._busy)
+        dropped = 0
+        for conn in busy:
+            sock = conn.sock
+            if sock is None:
+                continue
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.shutdown(socket.SHUT_RD)
+                dropped += 1
+            except OSError:
+                pass  # closed meanwhile: its thread has its answer or its error already
+        return dropped
 
 
 def _readable(sock: Any) -> bool:

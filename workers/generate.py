@@ -50,7 +50,13 @@ def _start_heartbeat(sender: Any = None, **_: object) -> None:
 
 def _consume(consumer: Any, server_reachable: bool) -> None:
     """Stop taking tasks while the server cannot be reached from here, take them again
-    once it can: the samples go to workers that reach theirs."""
+    once it can: the samples go to workers that reach theirs. Requests waiting on the lost
+    server are dropped: their threads hand the samples back now, and nothing still on its
+    way can reach the server after the network heals."""
+    if not server_reachable and _context is not None:
+        dropped = _context.client.drop_in_flight()
+        if dropped:
+            log.warning("dropped %d requests waiting on the unreachable server", dropped)
     hostname = getattr(consumer, "hostname", None)
     queues = [q.name for q in getattr(getattr(consumer, "task_consumer", None), "queues", [])]
     if not hostname or not queues:

@@ -108,6 +108,11 @@ class Lease:
             log.warning("release of %s/%s deferred: %s", self.dataset, self.sample, exc)
             self.book.release_later(self)
 
+    def abandon(self) -> None:
+        """End it without a release: its entry lapses one lease after the last renewal and a
+        reaper reclaims it (aborting its rid on the server, from a worker that reaches it)."""
+        self._end()
+
     def _end(self) -> None:
         self._ended = True
         self.book.forget(self)

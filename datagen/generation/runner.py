@@ -64,7 +64,8 @@ class Context:
 
 @dataclass(frozen=True)
 class Outcome:
-    # stored | duplicate | closed | done | busy | waiting | requeue | dead | discarded
+    # stored | duplicate | closed | done | busy | waiting | requeue | lapsing | dead |
+    # discarded
     status: str
     tokens: int = 0
     closed_now: bool = False
@@ -146,17 +147,25 @@ def run_job(ctx: Context, job: Job) -> Outcome:
         if adm.status != "ok":
             return Outcome(adm.status, closed_now=adm.closed_now, woken=tuple(woken))
         lease = ctx.leases.hold(job.dataset, job.sample, rid)
+        cut_off = False
         try:
             with lease:
-                outcome = _generate_admitted(ctx, job, lease)
+                try:
+                    outcome = _generate_admitted(ctx, job, lease)
+                except ServerUnavailable:
+                    cut_off = not ctx.client.reachable()
+                    if cut_off:
+                        lease.abandon()
+                    raise
         except ServerUnavailable as exc:
             woken += lease.woken
-            if not ctx.client.reachable():
-                # This worker is cut off from its server (others may not be): hand the
-                # sample back to the queue rather than wait here for the network.
+            if cut_off:
+                # This worker is cut off from its server (others may not be): its request
+                # may still run there, so the lease is left to lapse; a worker that reaches
+                # the server then aborts the rid and re-runs the sample. Nothing waits here.
                 log.warning("sample %s of %s: the server cannot be reached from here (%s); "
-                            "handed back", job.sample, job.dataset, exc)
-                return Outcome("requeue", detail="server unreachable", woken=tuple(woken))
+                            "its lease left to lapse", job.sample, job.dataset, exc)
+                return Outcome("lapsing", detail="server unreachable", woken=tuple(woken))
             if attempt >= settings.max_retries:
                 return _dead(ctx, job, f"server unavailable after {attempt + 1} tries: {exc}",
                              woken)

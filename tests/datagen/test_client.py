@@ -182,3 +182,56 @@ def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
             assert OneRequestPerConnection.connections == i + 1
     finally:
         server.shutdown()
+
+
+def test_requests_waiting_on_a_lost_server_are_dropped_at_once_and_reset() -> None:
+    """drop_in_flight (the heartbeat calls it when the server cannot be reached): the thread
+    waiting on the answer gets ServerUnavailable now, not after read_timeout_s, and the
+    connection ends with a reset (linger 0: unsent bytes are thrown away, not delivered
+    later), not an orderly close."""
+    import socket
+
+    from datagen.errors import ServerUnavailable
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    got: dict[str, object] = {}
+    received = threading.Event()
+
+    def silent_server() -> None:  # reads the request, never answers
+        conn, _ = listener.accept()
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(65536)
+        received.set()
+        try:
+            got["after"] = conn.recv(65536)
+        except ConnectionResetError as exc:
+            got["after"] = exc
+        conn.close()
+
+    server = threading.Thread(target=silent_server, daemon=True)
+    server.start()
+    client = SGLangClient(f"http://127.0.0.1:{port}", read_timeout_s=600)
+
+    def call() -> None:
+        try:
+            client.generate([1, 2, 3], {"max_new_tokens": 4}, new_rid("d"))
+        except ServerUnavailable as exc:
+            got["error"] = exc
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    assert received.wait(30)
+    wait_until(lambda: client.drop_in_flight() == 1, 10, 0.01, what="the call dropped")
+    caller.join(10)
+    server.join(10)
+    assert not caller.is_alive() and isinstance(got.get("error"), ServerUnavailable)
+    assert isinstance(got["after"], ConnectionResetError), got["after"]
+    assert client.drop_in_flight() == 0  # nothing is waiting any more
+    listener.close()

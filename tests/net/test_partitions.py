@@ -277,7 +277,12 @@ def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_tim
     again = fleet.started_again(lost, cut_at)
     bound = fleet.settings.lease_s * 4 / 3 + 3 + 2
     assert all(0 < t <= bound for t in again.values()), again
-    assert "stopped consuming" in fleet.procs["w1"].log_text()
+    w1_log = fleet.procs["w1"].log_text()
+    assert "stopped consuming" in w1_log
+    # its two stranded requests were dropped, not left waiting for read_timeout_s (300 s
+    # here): their threads ended during the cut, leaving the leases to lapse
+    assert "dropped 2 requests waiting on the unreachable server" in w1_log
+    assert w1_log.count("its lease left to lapse") >= 2
     print(f"FIGURE net-server-cut: {len(lost)} stranded requests started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
           f"{fleet.settings.lease_s:.0f}s)")
