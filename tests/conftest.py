@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,31 @@ def encoder(tokenizer_dir: Path) -> Any:
     from datagen.tokenization.tokenizer import ChatEncoder
 
     return ChatEncoder(tokenizer_dir)
+
+
+@contextmanager
+def _cpu_lock(mode: int) -> Iterator[None]:
+    where = Path(os.environ.get(RUN_DIR_ENV) or tempfile.gettempdir())
+    with open(where / f"datagen-cpu-{os.getuid()}.lock", "a") as fh:
+        fcntl.flock(fh, mode)
+        yield
+
+
+@pytest.fixture
+def cpu_hog() -> Iterator[None]:
+    """A test that keeps both cores busy for minutes (vLLM engines: three processes each
+    importing vLLM, then the model) runs while no ``timing`` test does."""
+    with _cpu_lock(fcntl.LOCK_EX):
+        yield
+
+
+@pytest.fixture
+def timing() -> Iterator[None]:
+    """A test that asserts how soon something happens (a re-run within a lease and 2 s) runs
+    beside other such tests, never beside a ``cpu_hog`` one: on a 2-core runner an engine
+    start delayed a fresh worker's heartbeat past the lease (CI, 2026-12-04)."""
+    with _cpu_lock(fcntl.LOCK_SH):
+        yield
 
 
 def manifest_idxs(folder: Path) -> list[int]:

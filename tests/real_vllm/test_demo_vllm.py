@@ -15,6 +15,7 @@ from cli.stack import REPO
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.usefixtures("cpu_hog")
 def test_make_demo_extracts_on_vllm(tmp_path: Path) -> None:
     vllm_python()  # skips (fails in CI) without .venv-vllm
     env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}

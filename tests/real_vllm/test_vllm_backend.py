@@ -34,7 +34,7 @@ from datagen.training.training_set import extraction_dir, read_manifest, trainin
 HIDDEN, HEADS, LAYERS = 128, 2, 8
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: the default takes 4
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.usefixtures("cpu_hog")]
 
 
 @pytest.fixture(autouse=True)
