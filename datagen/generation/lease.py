@@ -44,6 +44,12 @@ class LeaseBook:
         with self._lock:
             self._unreleased.append((lease.dataset, lease.sample, lease.rid))
 
+    def lapse(self, held: dict[str, list[tuple[str, str]]] | None = None) -> int:
+        """End the leases held (or those given) now, without releasing them: the next reaper
+        pass aborts their rids on the server and re-enqueues the samples. Returns how many."""
+        held = self.held() if held is None else held
+        return self.ledger.renew(held, lease_s=0) if held else 0
+
     def held(self) -> dict[str, list[tuple[str, str]]]:
         out: dict[str, list[tuple[str, str]]] = defaultdict(list)
         with self._lock:
@@ -109,9 +115,14 @@ class Lease:
             self.book.release_later(self)
 
     def abandon(self) -> None:
-        """End it without a release: its entry lapses one lease after the last renewal and a
-        reaper reclaims it (aborting its rid on the server, from a worker that reaches it)."""
+        """End it without a release: its lease ends now and the next reaper pass reclaims it
+        (aborting its rid on the server, from a worker that reaches it); with Redis away too,
+        it lapses one lease after the last renewal."""
         self._end()
+        try:
+            self.book.lapse({self.dataset: [(self.sample, self.rid)]})
+        except LedgerUnavailable as exc:
+            log.warning("lease of %s/%s left to lapse: %s", self.dataset, self.sample, exc)
 
     def _end(self) -> None:
         self._ended = True

@@ -227,12 +227,15 @@ class Ledger:
         return [PRIOR_TOKENS_PER_S, PRIOR_MEAN_TOKENS, self.settings.budget_counts,
                 self.settings.admission_margin_sd, int(self.settings.precise_admission)]
 
-    def renew(self, held: Mapping[str, Sequence[tuple[str, str]]]) -> int:
-        """Renew the leases of this owner's requests: dataset -> [(sample, rid)]."""
+    def renew(self, held: Mapping[str, Sequence[tuple[str, str]]],
+              lease_s: float | None = None) -> int:
+        """Renew the leases of this owner's requests: dataset -> [(sample, rid)], for
+        ``lease_s`` (default the setting; 0 ends them now: any reaper reclaims them)."""
         script = self._scripts["renew"]
+        lease_s = self.settings.lease_s if lease_s is None else lease_s
         with self.r.pipeline(transaction=False) as pipe:
             for dataset, pairs in held.items():
-                args = [self.settings.lease_s] + [x for pair in pairs for x in pair]
+                args = [lease_s] + [x for pair in pairs for x in pair]
                 script(keys=[self.k(dataset, keys.INFLIGHT), self.k(dataset, keys.LEASES)],
                        args=args, client=pipe)
             return sum(int(x) for x in self._call(pipe.execute))

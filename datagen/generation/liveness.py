@@ -40,6 +40,9 @@ REAP_RETRY_S = 0.05
 # After a failed beat (Redis away), the next one comes this soon: a healed worker renews its
 # leases and takes contact again within a moment of the heal, not a third of a lease later.
 RETRY_BEAT_S = 0.5
+# While it holds requests, a worker checks this often that it can reach its server (a TCP
+# connection, nothing asked of the server).
+SERVER_PROBE_S = 1.0
 
 
 class Heartbeat:
@@ -55,22 +58,29 @@ class Heartbeat:
         self.book = book
         self.lease_s = lease_s
         self.requeue = requeue
-        # Asked before each renewal while requests are held: a worker that cannot reach its
-        # server (a silent cut, a server host gone) lets its leases lapse, so a worker that
-        # can re-runs them (its reaper aborts the stranded requests there by rid).
+        # Asked every SERVER_PROBE_S while requests are held, by a thread of its own (a probe
+        # of a silent host takes its whole timeout; the beats must not wait for it): a worker
+        # that cannot reach its server (a silent cut, a server host gone) ends its leases at
+        # once, so a worker that can re-runs them at its next reap pass, aborting the
+        # stranded requests there by rid.
         self.server_ok = server_ok
         self.on_server = on_server  # told False when the server is lost, True when back
         self._server_lost = False
+        self._server_lock = threading.Lock()  # a renewal never follows the end of a lease
         self._stop = threading.Event()
         self._in_touch = False  # the last beat reached Redis
         self._fleet_since: float | None = None  # monotonic start of the fleet's contact
         self._next_reap = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="datagen-heartbeat",
                                         daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="datagen-server-watch",
+                                         daemon=True)
 
     def start(self) -> None:
         self._tick()
         self._thread.start()
+        if self.server_ok is not None:
+            self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,29 +90,48 @@ class Heartbeat:
             log.warning("heartbeat stop: %s", exc)
 
     def beat(self) -> None:
-        """Presence, lease renewal and deferred releases, in that order; then the mark of
-        the fleet's contact, which tells since when the fleet has been in touch."""
+        """Presence, lease renewal (or, while the server is lost, their end) and deferred
+        releases, in that order; then the mark of the fleet's contact, which tells since
+        when the fleet has been in touch."""
         self.ledger.r.set(keys.worker_alive(self.book.owner), "1", px=int(self.lease_s * 1000))
-        for payload in self.book.renew(held_too=self._server_reachable()):
+        with self._server_lock:
+            if self._server_lost:
+                self.book.lapse()
+            woken = self.book.renew(held_too=not self._server_lost)
+        for payload in woken:
             self.requeue(Job.from_payload(json.loads(payload)))
         lasted = self.ledger.contact(self.lease_s / 2)
         self._fleet_since = time.monotonic() - lasted
 
-    def _server_reachable(self) -> bool:
-        """False while requests are held and the server cannot be reached."""
+    def check_server(self) -> bool:
+        """Probe the server while requests are held (or it was lost); on a change, one line,
+        the leases ended (when lost) and ``on_server`` told. Returns whether it is reached."""
         if self.server_ok is None or not (self.book.held() or self._server_lost):
             return True
         ok = self.server_ok()
-        if ok == self._server_lost:  # a change: one line each way
+        if ok != self._server_lost:
+            return ok
+        with self._server_lock:
+            self._server_lost = not ok
             if ok:
                 log.info("heartbeat: the server answers again; renewing leases")
             else:
                 log.warning("heartbeat: the server cannot be reached: the leases of %d "
-                            "requests left to lapse, so they run elsewhere", len(self.book))
-            if self.on_server is not None:
-                self.on_server(ok)
-        self._server_lost = not ok
+                            "requests ended, so they run elsewhere", len(self.book))
+                try:
+                    self.book.lapse()
+                except Exception as exc:  # Redis away too: the next beat that gets through
+                    log.warning("heartbeat: leases not ended yet: %s", exc)
+        if self.on_server is not None:
+            self.on_server(ok)
         return ok
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(SERVER_PROBE_S, self.lease_s / 3)):
+            try:
+                self.check_server()
+            except Exception as exc:  # never let the watch die: the next probe tries again
+                log.warning("heartbeat: server check failed: %s", exc)
 
     def _loop(self) -> None:
         next_beat = time.monotonic() + self.lease_s / 3
@@ -138,6 +167,9 @@ class Heartbeat:
         """Reap if a lease is past its deadline (under the reaper lock), then set when to
         look next: the earliest deadline still ahead, or the lock's end."""
         now = time.monotonic()
+        if self._server_lost:  # its aborts could not reach the server: others reap, or this
+            self._next_reap = float("inf")  # one at its first beat once the server is back
+            return
         if not self._in_touch or self._fleet_since is None:
             self._next_reap = float("inf")  # the next beat that gets through decides
             return

@@ -161,10 +161,12 @@ def run_job(ctx: Context, job: Job) -> Outcome:
             woken += lease.woken
             if cut_off:
                 # This worker is cut off from its server (others may not be): its request
-                # may still run there, so the lease is left to lapse; a worker that reaches
-                # the server then aborts the rid and re-runs the sample. Nothing waits here.
+                # may still run there, so the lease is ended, not released; a worker that
+                # reaches the server then aborts the rid and re-runs the sample. Nothing
+                # waits here.
                 log.warning("sample %s of %s: the server cannot be reached from here (%s); "
-                            "its lease left to lapse", job.sample, job.dataset, exc)
+                            "its lease ended for a worker that reaches it", job.sample,
+                            job.dataset, exc)
                 return Outcome("lapsing", detail="server unreachable", woken=tuple(woken))
             if attempt >= settings.max_retries:
                 return _dead(ctx, job, f"server unavailable after {attempt + 1} tries: {exc}",

@@ -11,7 +11,7 @@ from datagen import keys
 from datagen.generation.job import Job
 from datagen.generation.lease import LeaseBook
 from datagen.generation.ledger import Ledger, connect
-from datagen.generation.liveness import Heartbeat
+from datagen.generation.liveness import Heartbeat, reap
 
 
 def test_a_stale_lease_is_reaped_at_its_deadline_not_at_a_later_beat(redis_url: str) -> None:
@@ -47,3 +47,45 @@ def test_a_stale_lease_is_reaped_at_its_deadline_not_at_a_later_beat(redis_url: 
     assert again == job
     assert deadline <= at <= deadline + 1.0, at - deadline
     assert led.in_flight("A") == {}
+
+
+def test_a_worker_cut_off_from_its_server_ends_its_leases_for_the_next_reap_pass(
+        redis_url: str) -> None:
+    # Given: two requests in flight of a worker whose server cannot be reached (lease 60 s)
+    lease_s = 60.0
+    led = Ledger(connect(redis_url), Settings(redis_url=redis_url, lease_s=lease_s))
+    led.register(["A"])
+    led.mark_run()
+    jobs = [Job("A", f"s{i}", "short", "prompts/A/x.jsonl", i, 5, 100) for i in (1, 2)]
+    led.add_pending("A", {j.sample: json.dumps(j.payload()) for j in jobs})
+    book = LeaseBook(led, "cut-owner")
+    leases = []
+    for j in jobs:
+        assert led.admit("A", j.sample, f"r-{j.sample}", "cut-owner", 5, 100).status == "ok"
+        leases.append(book.hold("A", j.sample, f"r-{j.sample}"))
+    requeued: list[Job] = []
+
+    def deadline(sample: str) -> float:
+        sec, usec = led.r.time()
+        return led.r.zscore(led.k("A", keys.LEASES), sample) - (sec + usec / 1e6)
+
+    # When: one request's thread gives up on the server (abandon), and the heartbeat beats
+    # with the server lost
+    leases[0].abandon()
+    assert deadline("s1") <= 0 < deadline("s2")
+    told: list[bool] = []
+    beat = Heartbeat(led, book, lease_s, requeued.append, server_ok=lambda: False,
+                     on_server=told.append)
+    beat.beat()
+    assert deadline("s2") > 0  # the beat renews: the server's check is the watcher's
+    assert beat.check_server() is False
+    beat.beat()
+
+    # Then: both leases ended at the check, not a lease after their last renewal, and stay
+    # ended through the beats; still in flight (not released: the reaper must abort their
+    # rids on the server), and the next reap pass re-enqueues both
+    assert told == [False]
+    assert deadline("s2") <= 0
+    assert set(led.in_flight("A")) == {"s1", "s2"}
+    assert reap(led, requeued.append) == 2
+    assert sorted(j.sample for j in requeued) == ["s1", "s2"]

@@ -51,6 +51,8 @@ class Fleet:
     env: dict[str, str]
     sock: Path
     requests_log: Path
+    sim_args: tuple[str, ...]
+    vocab: tuple[int, int]  # vocabulary size, eos id
     procs: dict[str, Process] = field(default_factory=dict)
 
     @property
@@ -59,6 +61,17 @@ class Fleet:
 
     def ledger(self) -> Ledger:
         return Ledger(connect(f"unix://{self.sock}"), self.settings)
+
+    def start_server(self) -> Process:
+        """The simulator on the server host (its request log appended to, across restarts)."""
+        vocab, eos = self.vocab
+        sim = self.lab.spawn("server", "simulator", [
+            sys.executable, "-u", "-m", "simulator", "--host", self.lab.hosts["server"].ip,
+            "--port", str(SERVER_PORT), "--vocab-size", str(vocab), "--eos-token-id",
+            str(eos), "--request-log", str(self.requests_log), *self.sim_args])
+        self.lab.wait_log(sim, "SIMULATOR_READY")
+        self.procs["server"] = sim
+        return sim
 
     def worker(self, host: str, **settings: str) -> Process:
         env = {**self.env, **{f"DATAGEN_{k.upper()}": v for k, v in settings.items()}}
@@ -120,13 +133,6 @@ def fleet(request: pytest.FixtureRequest, can_make_hosts: None, tmp_path: Path,
             lab.host(name)
         sock = lab.start_redis("redis", REDIS_PORT)
         wait_until(lambda: _pings(sock), 120, what="Redis on its host")
-        requests_log = tmp_path / "requests.jsonl"
-        sim = lab.spawn("server", "simulator", [
-            sys.executable, "-u", "-m", "simulator", "--host", lab.hosts["server"].ip,
-            "--port", str(SERVER_PORT), "--vocab-size", str(encoder.vocab_size),
-            "--eos-token-id", str(encoder.eos_token_id), "--request-log", str(requests_log),
-            *sim_args])
-        lab.wait_log(sim, "SIMULATOR_READY")
         write_jsonl(tmp_path / "partition" / "B1.jsonl",
                     [{"id": f"B1-{i:03d}", "prompt": f"question number {i}"}
                      for i in range(samples)])
@@ -137,7 +143,9 @@ def fleet(request: pytest.FixtureRequest, can_make_hosts: None, tmp_path: Path,
                   "short_concurrency": "2", "short_max_tokens": "2000",
                   "retry_backoff_s": "0.2", "read_timeout_s": "300"}
         fleet = Fleet(lab, {f"DATAGEN_{k.upper()}": v for k, v in values.items()}, sock,
-                      requests_log)
+                      tmp_path / "requests.jsonl", tuple(sim_args),
+                      (encoder.vocab_size, encoder.eos_token_id))
+        fleet.start_server()
         for host in WORKERS:
             fleet.worker(host)
         wait_until(lambda: _alive_workers(sock) >= len(WORKERS), 600, 0.2,
@@ -270,19 +278,16 @@ def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_tim
     assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
     assert_exact(fleet, 12, reruns=True)
     assert_no_traceback(fleet)
-    # Bound asserted: a lease, one beat interval and the probe's connect timeout (3 s), + 2 s.
-    # The issue's goal is a lease + 2 s: met in isolated runs (6.0 s), missed once beside the
-    # chaos tests (one request 11.0 s after the cut, its lease renewed after the cut: not
-    # explained yet, see docs/RELIABILITY.md).
+    # A lease and 2 s: the heartbeat finds the server lost within a beat and the probe's
+    # connect timeout (2 + 3 s here) and ends the leases; another worker's next beat reaps
     again = fleet.started_again(lost, cut_at)
-    bound = fleet.settings.lease_s * 4 / 3 + 3 + 2
-    assert all(0 < t <= bound for t in again.values()), again
+    assert all(0 < t <= fleet.settings.lease_s + 2 for t in again.values()), again
     w1_log = fleet.procs["w1"].log_text()
     assert "stopped consuming" in w1_log
     # its two stranded requests were dropped, not left waiting for read_timeout_s (300 s
-    # here): their threads ended during the cut, leaving the leases to lapse
+    # here): their threads ended during the cut, their leases ended, not released
     assert "dropped 2 requests waiting on the unreachable server" in w1_log
-    assert w1_log.count("its lease left to lapse") >= 2
+    assert w1_log.count("its lease ended for a worker that reaches it") >= 2
     print(f"FIGURE net-server-cut: {len(lost)} stranded requests started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
           f"{fleet.settings.lease_s:.0f}s)")
@@ -321,6 +326,82 @@ def test_a_worker_cut_from_everything_for_two_leases_with_no_follower(fleet: Fle
     print(f"FIGURE net-isolated: {len(lost)} requests of the cut worker started again "
           f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
           f"{fleet.settings.lease_s:.0f}s); the run finished with no follower")
+
+
+@pytest.mark.parametrize("fleet", [(12, 6.0, ("--lengths", "fixed:150",
+                                               "--decode-step-s", "0.02"))], indirect=True)
+def test_a_worker_cut_from_redis_for_two_leases_has_its_requests_run_elsewhere_in_time(
+        fleet: Fleet) -> None:
+    # Given: `datagen run` following, w1 (2 threads) and w2 with room to spare, 3 s
+    # requests, lease 6 s, both of w1's requests running on the server
+    fleet.roomy_w2()
+    run = fleet.run()
+    wait_until(lambda: fleet.running_on_server("w1", 2), 600,
+               what="w1 with 2 requests running on the server")
+
+    # When: w1 cannot reach Redis for two leases (its requests finish on the server meanwhile,
+    # their commits waiting for Redis)
+    lost = fleet.in_flight_of("w1")
+    fleet.lab.cut("w1", "redis")
+    cut_at = time.time()
+    time.sleep(2 * fleet.settings.lease_s)  # the cut's length, not a wait for an event
+    fleet.lab.heal("w1", "redis")
+
+    # Then: its samples started again on w2 within a lease and 2 s of the cut; w1's own
+    # answers, finished in the cut, reached no count and no training file (their leases were
+    # taken over); the run finished by itself, every sample counted once, no traceback
+    assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
+    merged = assert_exact(fleet, 12, reruns=True)
+    assert_no_traceback(fleet)
+    again = fleet.started_again(lost, cut_at)
+    assert all(0 < t <= fleet.settings.lease_s + 2 for t in again.values()), again
+    assert not set(lost.values()) & {r["rid"] for r in merged}
+    ends = {e["rid"] for e in map(json.loads, fleet.requests_log.read_text().splitlines())
+            if e["event"] == "finish"}
+    assert set(lost.values()) <= ends, "w1's requests did not finish: the case did not happen"
+    print(f"FIGURE net-redis-cut-long: {len(lost)} requests of the cut worker started again "
+          f"{min(again.values()):.1f}-{max(again.values()):.1f}s after the cut (lease "
+          f"{fleet.settings.lease_s:.0f}s); its own answers dropped, 12 of 12 counted once")
+
+
+@pytest.mark.parametrize("fleet", [(12, 6.0, ("--lengths", "fixed:150",
+                                               "--decode-step-s", "0.02"))], indirect=True)
+def test_the_server_host_gone_and_replaced_strands_nothing(fleet: Fleet) -> None:
+    # Given: `datagen run` following, two workers with 4 requests running on the server
+    # (3 s each, lease 6 s, read timeout 300 s)
+    run = fleet.run()
+    ledger = fleet.ledger()
+    wait_until(lambda: fleet.running_on_server("w1", 2) and fleet.running_on_server("w2", 2),
+               600, what="4 requests running on the server")
+
+    # When: the server host vanishes (cut from every host, its server killed with what it
+    # ran) until both workers have stopped consuming; then a new server comes up at the
+    # same address
+    others = [h for h in fleet.lab.hosts if h != "server"]
+    fleet.lab.cut_from("server", others)
+    fleet.procs["server"].kill()
+    wait_until(lambda: all("stopped consuming" in fleet.procs[w].log_text() for w in WORKERS),
+               120, what="both workers to stop consuming")
+    left = 12 - len(ledger.committed("B1"))
+    fleet.start_server()
+    fleet.lab.heal_from("server", others)
+    back_at = time.time()
+
+    # Then: nothing waited for the read timeout (300 s): every sample left started once on
+    # the new server, the first within a lease and 2 s of its return; every sample counted
+    # once, the run finished by itself with no traceback
+    assert fleet.wait_exit(run) == 0, run.log_text()[-3000:]
+    ledger = fleet.ledger()
+    merged = [json.loads(x) for x in Path(merge_dataset(
+        fleet.settings.output_dir, "B1", ledger.committed("B1")).path).read_text().splitlines()]
+    assert len({r["id"] for r in merged}) == len(merged) == 12
+    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in merged)
+    again = sorted(e["time"] - back_at for e in fleet.starts() if e["time"] >= back_at)
+    assert len(again) == left, (left, again)
+    assert 0 < again[0] <= fleet.settings.lease_s + 2, again
+    assert_no_traceback(fleet)
+    print(f"FIGURE net-server-gone: the {left} samples left started on the new server, the "
+          f"first {again[0]:.1f}s after it came back (lease {fleet.settings.lease_s:.0f}s)")
 
 
 def test_the_latency_bench_runs_and_short_requests_lose_more_than_long_ones(
