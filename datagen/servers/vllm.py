@@ -66,7 +66,10 @@ def finish_reason(reason: Any, stop_reason: Any, output_ids: list[int]) -> dict[
         return {"type": "stop", "matched": matched}
     if reason == "abort":
         return {"type": "abort", "message": ABORT_MESSAGE}
-    raise ValueError(f"finish_reason {reason!r}")
+    if not isinstance(reason, str):
+        raise ValueError(f"finish_reason {reason!r}")
+    # another of vLLM's ("repetition" where repetition_detection is asked): kept as it came
+    return {"type": reason, "stop_reason": stop_reason}
 
 
 class VLLM(ServerKind):
