@@ -50,7 +50,14 @@ from requests.utils import get_environ_proxies
 from config.settings import masked_url
 from datagen.errors import BadRequest, ServerUnavailable
 from datagen.servers import KINDS, SERVER_KINDS, detect
-from datagen.servers.base import INPUT_RESERVE, Generation, Limits, LimitsUnknown, ServerKind
+from datagen.servers.base import (
+    INPUT_RESERVE,
+    Generation,
+    HTTPStatusError,
+    Limits,
+    LimitsUnknown,
+    ServerKind,
+)
 
 __all__ = ["INPUT_RESERVE", "Generation", "Limits", "SGLangClient", "backoff_s", "new_rid",
            "rid_prefix"]
@@ -280,11 +287,12 @@ class SGLangClient:
             return None
 
     def _get_json(self, url: str, path: str) -> Any:
-        """GET ``url + path``'s JSON; OSError when nothing answers, ValueError for an
-        HTTP error or a body that is not JSON."""
+        """GET ``url + path``'s JSON; OSError when nothing answers, HTTPStatusError for an
+        HTTP error, ValueError for a body that is not JSON."""
         resp = self.session.get(f"{url}{path}", timeout=(5, 30))
         if not resp.ok:
-            raise ValueError(f"HTTP {resp.status_code} from {masked_url(url)}{path}")
+            raise HTTPStatusError(resp.status_code,
+                                  f"HTTP {resp.status_code} from {masked_url(url)}{path}")
         return resp.json()  # requests' JSONDecodeError is a ValueError
 
 

@@ -2,13 +2,14 @@
 
 ``server_kind`` in the settings names one, or ``"auto"``: the kind is then read from the
 server once, from ``/v1/models`` (both kinds serve it; vLLM's entries say ``"owned_by":
-"vllm"``). Any other answer there, a router's 404 included, means SGLang, the default.
+"vllm"``). Any other answer there, a router's 404 included, means SGLang, the default;
+a 5xx is no answer yet (a proxy in front of a server that is down), so nothing is decided.
 """
 
 from __future__ import annotations
 
 from config.settings import SERVER_KINDS
-from datagen.servers.base import Reader, ServerKind
+from datagen.servers.base import HTTPStatusError, Reader, ServerKind
 from datagen.servers.sglang import SGLang
 from datagen.servers.vllm import VLLM
 
@@ -20,7 +21,11 @@ def detect(read: Reader) -> ServerKind:
     """The kind of the server ``read`` asks; raises OSError when it does not answer."""
     try:
         models = read("/v1/models")
-    except ValueError:  # an HTTP error or not JSON: not vLLM's /v1/models
+    except HTTPStatusError as exc:
+        if exc.status >= 500:
+            raise ConnectionError(str(exc)) from exc
+        return KINDS["sglang"]  # no such route: not vLLM's /v1/models
+    except ValueError:  # not JSON: not vLLM's /v1/models
         return KINDS["sglang"]
     try:
         owners = {m.get("owned_by") for m in models["data"]}

@@ -17,8 +17,17 @@ from typing import Any
 # context - 6 where the server does not say.
 INPUT_RESERVE = 6
 
-# GET a path of the server, its JSON answer; raises requests' errors or ValueError.
+# GET a path of the server, its JSON answer; raises OSError when nothing answers (requests'
+# errors are OSErrors), HTTPStatusError or another ValueError for an answer that is not JSON.
 Reader = Callable[[str], Any]
+
+
+class HTTPStatusError(ValueError):
+    """The server answered with an HTTP error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)

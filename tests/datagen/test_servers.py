@@ -15,7 +15,7 @@ from config.settings import SettingsError, load_settings
 from datagen.client import SGLangClient, new_rid
 from datagen.errors import BadRequest, ServerUnavailable
 from datagen.servers import KINDS, detect
-from datagen.servers.base import Limits, LimitsUnknown
+from datagen.servers.base import HTTPStatusError, Limits, LimitsUnknown
 from datagen.servers.vllm import finish_reason, sampling_params
 from simulator.server import SimulatorConfig, start_in_thread
 
@@ -97,15 +97,17 @@ def test_vllm_limits_come_from_max_model_len() -> None:
 
 
 def test_the_kind_is_read_from_v1_models() -> None:
-    def reader(owner: str | None) -> Any:
+    def reader(owner: str | int) -> Any:
         def read(path: str) -> Any:
-            if owner is None:
-                raise ValueError("HTTP 404")
+            if isinstance(owner, int):
+                raise HTTPStatusError(owner, f"HTTP {owner}")
             return {"data": [{"owned_by": owner, "max_model_len": 8}]}
         return read
     assert detect(reader("vllm")) is VLLM
     assert detect(reader("sglang")) is SGLANG
-    assert detect(reader(None)) is SGLANG  # a router without the route: the default
+    assert detect(reader(404)) is SGLANG  # a router without the route: the default
+    with pytest.raises(OSError, match="HTTP 502"):  # a proxy before a server that is down
+        detect(reader(502))
 
 
 def test_server_kind_setting_is_checked() -> None:
@@ -160,3 +162,12 @@ def _sim_log(url: str) -> list[dict[str, Any]]:
     import requests
 
     return requests.get(f"{url}/_sim/log", timeout=10).json()
+
+
+def test_an_auto_client_waits_for_a_server_that_does_not_answer_yet() -> None:
+    # nothing listens on port 9: the kind stays unknown, the call is retryable
+    client = SGLangClient("http://127.0.0.1:9", kind="auto", connect_timeout_s=2.0)
+    with pytest.raises(ServerUnavailable, match="cannot tell the kind of the server"):
+        client.generate([1, 5], {"max_new_tokens": 4}, new_rid())
+    client.abort(new_rid())  # logged, not raised: a close goes on with the other aborts
+    assert repr(client) == "SGLangClient(http://127.0.0.1:9, auto)"
