@@ -30,6 +30,7 @@ REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
 EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang", "vllm")  # datagen/extraction/backends
+SERVER_KINDS = ("sglang", "vllm", "auto")  # datagen/servers
 
 
 RENAMED = {"extract_max_length_tokens": "train_max_length"}
@@ -49,6 +50,9 @@ class Settings:
     # A finished run whose Redis is gone (`make demo` leaves one): its saved dump.rdb.
     saved_ledger: str = ""  # status, dead, plot and estimate read this dump, not redis_url
     server_url: str = "http://127.0.0.1:30000"  # SGLang server or router (/generate)
+    # "vllm": vLLM's token-in/token-out API (launched with --enable-scale-out); "auto": read
+    # from the server's /v1/models once per process
+    server_kind: str = "sglang"  # what serves server_url: "sglang", "vllm" or "auto"
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
@@ -140,6 +144,9 @@ class Settings:
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
                   "long_max_tokens", "long_threshold_tokens", "token_budget",
                   "visibility_timeout_s")
+        if self.server_kind not in SERVER_KINDS:
+            raise SettingsError(
+                f"server_kind: {self.server_kind!r} is not one of {SERVER_KINDS}")
         if self.regenerate not in REGENERATE_MODES:
             raise SettingsError(
                 f"regenerate: {self.regenerate!r} is not one of {REGENERATE_MODES}")

@@ -1,4 +1,7 @@
-"""HTTP client for SGLang's native API (`/generate`, `/abort_request`, `/server_info`).
+"""HTTP client for a generation server: SGLang's native API (`/generate`, `/abort_request`,
+`/server_info`), or vLLM's token-in/token-out API (`/inference/v1/generate`,
+`/inference/v1/abort_requests`); the paths and bodies of each kind are in datagen/servers/,
+the transport here is the same for both.
 
 ``/generate``, one call per sample, goes over one kept-alive ``http.client`` connection per
 thread (a connection found closed by the server while idle is replaced before it is used);
@@ -38,7 +41,6 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -47,6 +49,18 @@ from requests.utils import get_environ_proxies
 
 from config.settings import masked_url
 from datagen.errors import BadRequest, ServerUnavailable
+from datagen.servers import KINDS, SERVER_KINDS, detect
+from datagen.servers.base import (
+    INPUT_RESERVE,
+    Generation,
+    HTTPStatusError,
+    Limits,
+    LimitsUnknown,
+    ServerKind,
+)
+
+__all__ = ["INPUT_RESERVE", "Generation", "Limits", "SGLangClient", "backoff_s", "new_rid",
+           "rid_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -75,63 +89,16 @@ def new_rid(dataset: str = "") -> str:
     return rid_prefix(dataset) + uuid.uuid4().hex
 
 
-# SGLang 0.5.23: max_req_input_len = min(context - 1, KV-cache tokens - 1) - 5, i.e.
-# context - 6 where the server does not say.
-INPUT_RESERVE = 6
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a server accepts (SGLang 0.5.23): an input of fewer than ``max_input_tokens``
-    tokens (its ``max_req_input_len``; more is a 400), and input + max_new_tokens of at
-    most ``context_length``."""
-
-    context_length: int
-    max_input_tokens: int
-    source: str  # where the context length was read, for messages
-
-    def room(self, prompt_tokens: int) -> int:
-        """The most new tokens a prompt may ask for; < 1: the server refuses it. One less
-        than SGLang takes (it refuses only prompt + max_new_tokens > context)."""
-        if prompt_tokens >= self.max_input_tokens:
-            return 0
-        return self.context_length - prompt_tokens - 1
-
-    def refusal(self, prompt_tokens: int) -> str:
-        """Why the server refuses a prompt of this length ("" when it does not)."""
-        if self.context_length - prompt_tokens - 1 < 1:
-            return (f"prompt has {prompt_tokens} tokens; the context length "
-                    f"{self.context_length} leaves no room for a response")
-        if prompt_tokens >= self.max_input_tokens:
-            return (f"prompt has {prompt_tokens} tokens; the server takes inputs of fewer than "
-                    f"{self.max_input_tokens} (max_req_input_len; context length "
-                    f"{self.context_length})")
-        return ""
-
-
-@dataclass(frozen=True)
-class Generation:
-    output_ids: list[int]
-    finish_reason: dict[str, Any]
-    prompt_tokens: int
-    completion_tokens: int
-    latency_s: float
-    text: str
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason.get("type") == "length"
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason.get("type") == "abort"
-
-
 class SGLangClient:
     def __init__(self, base_url: str, api_key: str | None = None,
-                 connect_timeout_s: float = 10.0, read_timeout_s: float = 7200.0):
+                 connect_timeout_s: float = 10.0, read_timeout_s: float = 7200.0,
+                 kind: str = "sglang"):
+        if kind not in SERVER_KINDS:
+            raise ValueError(f"server kind {kind!r} is not one of {SERVER_KINDS}")
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self._kind: ServerKind | None = KINDS.get(kind)  # None: "auto", read on first use
+        self._kind_lock = threading.Lock()
         self.timeout = (connect_timeout_s, read_timeout_s)
         self._local = threading.local()
         self._health_lock = threading.Lock()
@@ -145,7 +112,23 @@ class SGLangClient:
             self._headers["Authorization"] = f"Bearer {api_key}"
 
     def __repr__(self) -> str:
-        return f"SGLangClient({masked_url(self.base_url)})"
+        kind = self._kind.name if self._kind else "auto"
+        return f"SGLangClient({masked_url(self.base_url)}, {kind})"
+
+    @property
+    def kind(self) -> ServerKind:
+        """The server's kind; with ``"auto"`` read from it once (raises ServerUnavailable
+        while it does not answer)."""
+        if self._kind is None:
+            with self._kind_lock:
+                if self._kind is None:
+                    try:
+                        self._kind = detect(lambda path: self._get_json(self.base_url, path))
+                    except OSError as exc:
+                        raise ServerUnavailable(f"cannot tell the kind of the server at "
+                                                f"{masked_url(self.base_url)}: {exc}") from exc
+                    log.info("%s is a %s server", masked_url(self.base_url), self._kind.name)
+        return self._kind
 
     @property
     def session(self) -> requests.Session:
@@ -159,27 +142,27 @@ class SGLangClient:
 
     def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
                  dataset: str | None = None) -> Generation:
-        """One /generate call; raises ServerUnavailable (retryable) or BadRequest."""
-        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
-                "rid": rid, "stream": False}
+        """One generate call; raises ServerUnavailable (retryable) or BadRequest."""
+        kind = self.kind
+        path, body = kind.generate_path, kind.generate_body(input_ids, sampling_params, rid)
         headers = dict(self._headers, **{DATASET_HEADER: dataset}) if dataset else self._headers
         started = time.monotonic()
         try:
             if self._direct is None:  # TLS, credentials in the URL or a proxy: requests
-                resp = self.session.post(f"{self.base_url}/generate", json=body,
+                resp = self.session.post(f"{self.base_url}{path}", json=body,
                                          headers=headers, timeout=self.timeout)
                 status, content, reason = resp.status_code, resp.content, resp.reason or ""
             else:
                 conn = self._direct.connection()
                 with self._direct.in_flight(conn):
-                    status, content, reason = _post(conn, self._direct.path + "/generate",
+                    status, content, reason = _post(conn, self._direct.path + path,
                                                     json.dumps(body).encode(), headers)
         except (TimeoutError, requests.Timeout) as exc:
             self.abort(rid)
-            raise ServerUnavailable(f"/generate timed out for rid {rid}: {exc}") from exc
+            raise ServerUnavailable(f"{path} timed out for rid {rid}: {exc}") from exc
         except (OSError, http.client.HTTPException) as exc:  # requests' errors are OSErrors
-            raise ServerUnavailable(f"/generate failed: {type(exc).__name__}: {exc}") from exc
-        return _parse_generation(status, content, reason, started)
+            raise ServerUnavailable(f"{path} failed: {type(exc).__name__}: {exc}") from exc
+        return _parse_generation(kind, status, content, reason, started)
 
     def drop_in_flight(self) -> int:
         """Abort this process's /generate connections that wait for an answer (the server
@@ -190,22 +173,27 @@ class SGLangClient:
         return self._direct.drop_in_flight() if self._direct is not None else 0
 
     def abort(self, rid: str) -> None:
-        """``/abort_request`` for exactly ``rid`` (SGLang 0.5.23 drops a rid it does not
-        run, answering 200: a prefix aborts nothing); behind a router that has no such
+        """Abort exactly ``rid`` (SGLang 0.5.23 drops a rid it does not run, answering 200:
+        a prefix aborts nothing; vLLM answers 200 too); behind a router that has no such
         route, on every server the router lists."""
-        status = self._post_abort(self.base_url, rid)
+        try:
+            kind = self.kind
+        except ServerUnavailable as exc:
+            log.warning("abort of rid %s: %s", rid, exc)
+            return
+        status = self._post_abort(self.base_url, kind, rid)
         if status != 404:
             return
         backends = self.backends()
         if not backends:
-            log.warning("abort of rid %s: %s has no /abort_request and lists no servers "
-                        "at /workers", rid, masked_url(self.base_url))
+            log.warning("abort of rid %s: %s has no %s and lists no servers at /workers",
+                        rid, masked_url(self.base_url), kind.abort_path)
         for url in backends:
-            self._post_abort(url, rid)
+            self._post_abort(url, kind, rid)
 
-    def _post_abort(self, url: str, rid: str) -> int | None:
+    def _post_abort(self, url: str, kind: ServerKind, rid: str) -> int | None:
         try:
-            resp = self.session.post(f"{url}/abort_request", json={"rid": rid},
+            resp = self.session.post(f"{url}{kind.abort_path}", json=kind.abort_body(rid),
                                      timeout=(self.timeout[0], 30))
         except requests.RequestException as exc:
             log.warning("abort of rid %s at %s failed: %s", rid, masked_url(url), exc)
@@ -243,15 +231,17 @@ class SGLangClient:
         return []
 
     def healthy(self) -> bool:
-        """``/health_generate`` (it runs one token, so a stuck server fails it), asked at
-        most once per HEALTH_CACHE_S by all threads of the process together."""
+        """The kind's health path (SGLang's ``/health_generate`` runs one token, so a stuck
+        server fails it; vLLM's ``/health`` asks its engine core), asked at most once per
+        HEALTH_CACHE_S by all threads of the process together."""
         with self._health_lock:
             now = time.monotonic()
             if now - self._health_at < HEALTH_CACHE_S:
                 return self._health_ok
             try:
-                ok = self.session.get(f"{self.base_url}/health_generate", timeout=(2, 20)).ok
-            except requests.RequestException:
+                path = self.kind.health_path
+                ok = self.session.get(f"{self.base_url}{path}", timeout=(2, 20)).ok
+            except (requests.RequestException, ServerUnavailable):
                 ok = False
             self._health_at, self._health_ok = time.monotonic(), ok
             return ok
@@ -273,69 +263,37 @@ class SGLangClient:
         return True
 
     def limits(self) -> Limits:
-        """The context length and longest input the server accepts; behind a router, the
-        smallest of its servers' (so every prompt the producer sizes fits on each one).
-
-        SGLang's ``/server_info`` ``context_length`` is the launch argument, null unless
-        the server was started with ``--context-length``: then ``/v1/models``
-        ``data[0].max_model_len`` (the model's own) is the one in force. ``max_req_input_len``
-        (context - 6 in SGLang 0.5.23) is the longest input it takes.
-        """
-        info, error = self._server_info(self.base_url)
-        if info is not None:
-            found = self._limits_of(self.base_url, info)
-            if found is not None:
-                return found
-        behind = [x for x in (self._limits_of(url) for url in self.backends()) if x]
+        """The context length and longest input the server accepts (``ServerKind.limits``);
+        behind a router, the smallest of its servers' (so every prompt the producer sizes
+        fits on each one)."""
+        try:
+            return self._limits_at(self.base_url)
+        except LimitsUnknown as exc:
+            unknown = exc
+        behind = [x for x in map(self._known_limits, self.backends()) if x]
         if behind:
             return Limits(min(x.context_length for x in behind),
                           min(x.max_input_tokens for x in behind),
                           "the smallest of " + ", ".join(x.source for x in behind))
-        where = masked_url(self.base_url)
-        if info is None:
-            raise ServerUnavailable(f"cannot read {where}/server_info: {error}") from error
-        raise ServerUnavailable(f"{where}/server_info has no context_length and "
-                                "/v1/models no max_model_len")
+        raise ServerUnavailable(str(unknown)) from unknown
 
-    def _limits_of(self, url: str, info: dict[str, Any] | None = None) -> Limits | None:
-        if info is None:
-            info = self._server_info(url)[0]
-            if info is None:
-                return None
-        where = masked_url(url)
-        context, source = _positive(info.get("context_length")), f"{where}/server_info"
-        if context is None:
-            context, source = self._max_model_len(url), f"{where}/v1/models max_model_len"
-        if context is None:
-            return None
-        max_input = _positive(info.get("max_req_input_len"))
-        return Limits(context, min(context - 1, max_input or context - INPUT_RESERVE), source)
+    def _limits_at(self, url: str) -> Limits:
+        return self.kind.limits(lambda path: self._get_json(url, path), masked_url(url))
 
-    def _max_model_len(self, url: str) -> int | None:
+    def _known_limits(self, url: str) -> Limits | None:
         try:
-            resp = self.session.get(f"{url}/v1/models", timeout=(5, 30))
-            resp.raise_for_status()
-            return _positive(resp.json()["data"][0].get("max_model_len"))
-        except (requests.RequestException, ValueError, KeyError, IndexError, TypeError,
-                AttributeError):
+            return self._limits_at(url)
+        except LimitsUnknown:
             return None
 
-    def _server_info(self, url: str) -> tuple[dict[str, Any] | None, Exception | None]:
-        try:
-            resp = self.session.get(f"{url}/server_info", timeout=(5, 30))
-            resp.raise_for_status()
-            data = resp.json()
-        except (requests.RequestException, ValueError) as exc:
-            return None, exc
-        return (data, None) if isinstance(data, dict) else (None, ValueError(repr(data)))
-
-
-def _positive(value: Any) -> int | None:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        return None
-    return number if number > 0 else None
+    def _get_json(self, url: str, path: str) -> Any:
+        """GET ``url + path``'s JSON; OSError when nothing answers, HTTPStatusError for an
+        HTTP error, ValueError for a body that is not JSON."""
+        resp = self.session.get(f"{url}{path}", timeout=(5, 30))
+        if not resp.ok:
+            raise HTTPStatusError(resp.status_code,
+                                  f"HTTP {resp.status_code} from {masked_url(url)}{path}")
+        return resp.json()  # requests' JSONDecodeError is a ValueError
 
 
 def _worker_urls(data: Any) -> list[str]:
@@ -442,7 +400,8 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes,
     return resp.status, content, resp.reason or ""
 
 
-def _parse_generation(status: int, content: bytes, reason: str, started: float) -> Generation:
+def _parse_generation(kind: ServerKind, status: int, content: bytes, reason: str,
+                      started: float) -> Generation:
     if status == 400:
         raise BadRequest(_error_message(status, content, reason))
     if status in RETRY_STATUS or status >= 500:
@@ -450,19 +409,9 @@ def _parse_generation(status: int, content: bytes, reason: str, started: float) 
     if status != 200:
         raise BadRequest(f"HTTP {status}: {_error_message(status, content, reason)}")
     try:
-        data = json.loads(content)
-        meta = data["meta_info"]
-        output_ids = [int(x) for x in data["output_ids"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ServerUnavailable(f"malformed /generate response: {exc}") from exc
-    return Generation(
-        output_ids=output_ids,
-        finish_reason=meta.get("finish_reason") or {},
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-        latency_s=float(meta.get("e2e_latency", time.monotonic() - started)),
-        text=str(data.get("text", "")),
-    )
+        return kind.parse_generation(json.loads(content), time.monotonic() - started)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ServerUnavailable(f"malformed {kind.generate_path} response: {exc!r}") from exc
 
 
 def _error_message(status: int, content: bytes, reason: str) -> str:

@@ -87,7 +87,8 @@ def server_limits(settings: Settings) -> Limits:
     """The context length and longest input in force: the server's own (``SGLangClient.
     limits``), or the ``context_length`` setting, which may lower the server's but never
     raise it. Without either, clamped prompts would be refused, so nothing is enqueued."""
-    client = SGLangClient(settings.server_url, settings.api_key, 5.0, 30.0)
+    client = SGLangClient(settings.server_url, settings.api_key, 5.0, 30.0,
+                          settings.server_kind)
     where = masked_url(settings.server_url)
     try:
         found = client.limits()

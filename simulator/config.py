@@ -3,10 +3,14 @@
 from dataclasses import dataclass, field
 
 LENGTH_MODES = ("lognormal", "fixed:N", "uniform:A:B")
+KINDS = ("sglang", "vllm")
 
 
 @dataclass(frozen=True)
 class SimulatorConfig:
+    # Which server's HTTP API: SGLang 0.5.23's native one, or vLLM 0.32's token-in/token-out
+    # one (simulator/vllm.py); the simulated engine is the same.
+    kind: str = "sglang"
     host: str = "127.0.0.1"
     port: int = 0
     # The capacity model: a GPU server runs at most this many requests in one batch.
@@ -46,6 +50,7 @@ class SimulatorConfig:
     abort_by_prefix: bool = False
 
     def __post_init__(self) -> None:
+        _check(self.kind in KINDS, "kind", self.kind)
         _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests)
         _check(
             self.max_queued_requests is None or self.max_queued_requests >= 0,

@@ -40,19 +40,19 @@ def handle_generate(out: Responder, app: App, raw: bytes) -> None:
     try:
         payload = json.loads(raw or b"null")
     except ValueError as exc:
-        _reject(out, app, ApiError(HTTPStatus.BAD_REQUEST, f"Invalid JSON body: {exc}"), None,
+        reject(out, app, ApiError(HTTPStatus.BAD_REQUEST, f"Invalid JSON body: {exc}"), None,
                 dataset)
         return
     rid_hint = payload.get("rid") if isinstance(payload, dict) else None
     fault = app.fault.take()
-    if fault is not None and _suffer_early_fault(out, app, fault, rid_hint, dataset):
+    if fault is not None and suffer_early_fault(out, app, fault, rid_hint, dataset):
         return
     try:
         call = parse_generate(payload, app.config)
         reqs = [build_request(item, app.config, call.stream, dataset) for item in call.items]
         app.engine.submit(reqs)
     except ApiError as err:
-        _reject(out, app, err, rid_hint, dataset)
+        reject(out, app, err, rid_hint, dataset)
         return
     reset_mid = fault is not None and fault.mode == "reset"
     if call.stream:
@@ -61,7 +61,7 @@ def handle_generate(out: Responder, app: App, raw: bytes) -> None:
         _respond(out, app, call, reqs, reset_mid)
 
 
-def _suffer_early_fault(out: Responder, app: App, fault: Fault, rid: object,
+def suffer_early_fault(out: Responder, app: App, fault: Fault, rid: object,
                         dataset: str | None) -> bool:
     """Answer a down/error500/reset-before fault; False when the request should still run."""
     if fault.mode == "down":
@@ -74,11 +74,11 @@ def _suffer_early_fault(out: Responder, app: App, fault: Fault, rid: object,
         return True
     else:
         return False
-    _reject(out, app, err, rid, dataset)
+    reject(out, app, err, rid, dataset)
     return True
 
 
-def _reject(out: Responder, app: App, err: ApiError, rid: object, dataset: str | None) -> None:
+def reject(out: Responder, app: App, err: ApiError, rid: object, dataset: str | None) -> None:
     logger.info("rejecting /generate (rid=%s): %s %s", rid, err.status, err.message)
     app.stats.add("requests_rejected")
     app.journal.record("reject", rid if isinstance(rid, str) else None, dataset,

@@ -11,7 +11,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
-from simulator import info
+from simulator import info, vllm
 from simulator.app import App
 from simulator.errors import ApiError
 from simulator.generate import handle_generate
@@ -113,7 +113,8 @@ class SimHandler(BaseHTTPRequestHandler):
         self._head_sent = False
         try:
             raw = self._read_body()
-            route = ROUTES.get((method, path))
+            routes = self.routes()
+            route = routes.get((method, path))
             if route is None:
                 self._no_route(path)
             elif not self._authorized(path):
@@ -136,8 +137,11 @@ class SimHandler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(length) if length > 0 else b""
 
+    def routes(self) -> dict[tuple[str, str], Callable[["SimHandler", bytes], None]]:
+        return VLLM_ROUTES if self.app.config.kind == "vllm" else ROUTES
+
     def _no_route(self, path: str) -> None:
-        if any(p == path for _, p in ROUTES):
+        if any(p == path for _, p in self.routes()):
             self.send_json(HTTPStatus.METHOD_NOT_ALLOWED, {"detail": "Method Not Allowed"})
         else:
             self.send_json(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
@@ -218,6 +222,29 @@ def _sim_reset(h: SimHandler, _raw: bytes) -> None:
     h.send_empty(HTTPStatus.OK)
 
 
+def _vllm_generate(h: SimHandler, raw: bytes) -> None:
+    vllm.handle_generate(h, h.app, raw)
+
+
+def _vllm_abort(h: SimHandler, raw: bytes) -> None:
+    vllm.handle_abort(h, h.app, raw)
+
+
+def _vllm_models(h: SimHandler, _raw: bytes) -> None:
+    h.send_json(HTTPStatus.OK, vllm.models_list(h.app.config, h.app.started_at))
+
+
+def _vllm_version(h: SimHandler, _raw: bytes) -> None:
+    h.send_json(HTTPStatus.OK, vllm.version())
+
+
+SIM_ROUTES: dict[tuple[str, str], Callable[[SimHandler, bytes], None]] = {
+    ("GET", "/_sim/log"): _sim_log,
+    ("GET", "/_sim/stats"): _sim_stats,
+    ("GET", "/_sim/fault"): _sim_fault_get,
+    ("POST", "/_sim/fault"): _sim_fault_set,
+    ("POST", "/_sim/reset"): _sim_reset,
+}
 ROUTES: dict[tuple[str, str], Callable[[SimHandler, bytes], None]] = {
     ("GET", "/health"): _health,
     ("GET", "/health_generate"): _health_generate,
@@ -228,9 +255,14 @@ ROUTES: dict[tuple[str, str], Callable[[SimHandler, bytes], None]] = {
     ("GET", "/v1/models"): _models,
     ("POST", "/generate"): _generate,
     ("POST", "/abort_request"): _abort_request,
-    ("GET", "/_sim/log"): _sim_log,
-    ("GET", "/_sim/stats"): _sim_stats,
-    ("GET", "/_sim/fault"): _sim_fault_get,
-    ("POST", "/_sim/fault"): _sim_fault_set,
-    ("POST", "/_sim/reset"): _sim_reset,
+    **SIM_ROUTES,
+}
+# --kind vllm: vLLM 0.32's routes the pipeline uses (simulator/vllm.py)
+VLLM_ROUTES: dict[tuple[str, str], Callable[[SimHandler, bytes], None]] = {
+    ("GET", "/health"): _health,
+    ("GET", "/version"): _vllm_version,
+    ("GET", "/v1/models"): _vllm_models,
+    ("POST", "/inference/v1/generate"): _vllm_generate,
+    ("POST", "/inference/v1/abort_requests"): _vllm_abort,
+    **SIM_ROUTES,
 }

@@ -123,6 +123,14 @@ def cpu_hog() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="module")
+def cpu_hog_module() -> Iterator[None]:
+    """``cpu_hog`` for a module whose tests share one engine: held from its start-up to the
+    module's end (its tests must not ask for ``cpu_hog`` or ``timing`` themselves)."""
+    with _cpu_lock(fcntl.LOCK_EX):
+        yield
+
+
 @pytest.fixture
 def timing() -> Iterator[None]:
     """A test that asserts how soon something happens (a re-run within a lease and 2 s) runs

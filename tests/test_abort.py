@@ -4,6 +4,8 @@ runs to completion and none is counted; and the reaper aborts a killed worker's 
 
 The simulator answers as SGLang does by default (an unknown rid, or a prefix, aborts
 nothing), and its request log shows every start, finish and abort with its rid and time.
+With ``--kind vllm`` it answers as vLLM 0.32's token API does (an abort names
+``generate-tokens-<rid>`` exactly): an operator's close and the reaper are run on both.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from conftest import CLI_HANG_S, Stack, wait_until
 from test_budget import close_times, partition, records
 from test_chaos import owned_by
@@ -80,9 +83,13 @@ def assert_in_flight_at_close_aborted(stack: Stack, ledger: Any, settings: Any,
     return open_at_close
 
 
-def test_an_operator_close_aborts_every_request_in_flight(stack: Stack) -> None:
-    # Given: eight long requests in flight
-    ledger = run_until_in_flight(stack)
+KINDS = {"sglang": (), "vllm": ("--kind", "vllm")}  # the simulator's flags for each
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_operator_close_aborts_every_request_in_flight(stack: Stack, kind: str) -> None:
+    # Given: eight long requests in flight on a server of this kind
+    ledger = run_until_in_flight(stack, (*LONG, *KINDS[kind]), server_kind=kind)
 
     # When: an operator closes the dataset, with the abort-on-close policy
     assert guard.close(stack.app(), ledger, "B1", "operator", abort_in_flight=True)
@@ -143,11 +150,13 @@ def test_max_samples_reached_aborts_the_requests_still_in_flight(stack: Stack) -
     assert ledger.snapshot("B1")["stats"]["samples"] == 1
 
 
-def test_the_reaper_aborts_a_killed_workers_requests_on_the_server(stack: Stack) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_reaper_aborts_a_killed_workers_requests_on_the_server(stack: Stack,
+                                                                   kind: str) -> None:
     # Given: a worker with long requests in flight, and a second one whose reaper runs
-    stack.start_simulator(*LONG)
+    stack.start_simulator(*LONG, *KINDS[kind])
     settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 12})),
-                               short_concurrency=4, short_max_tokens=3000)
+                               short_concurrency=4, short_max_tokens=3000, server_kind=kind)
     victim = stack.worker("short", name="victim@%h")
     stack.worker("short", name="survivor@%h")
     stack.wait_workers(2)

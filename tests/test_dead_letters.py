@@ -130,3 +130,40 @@ def test_a_dead_letter_clears_when_its_sample_later_succeeds(stack: Stack) -> No
     assert ledger.snapshot("B1")["dead"] == 0
     assert dead.summary(dead.read(ledger)) == ""
     assert 'datagen_dead_letters{dataset="B1"} 0.0' in render_metrics(ledger)
+
+
+def test_a_vllm_server_s_refusals_reach_the_dead_letters_in_its_own_words(
+        stack: Stack) -> None:
+    # Given: a worker on a vLLM server (the simulator's vLLM API, held beside the real vLLM
+    # 0.32 in tests/real_vllm) whose context is smaller than the producer believes
+    served_by = stack.start_simulator("--kind", "vllm", "--lengths", "fixed:30",
+                                      "--decode-step-s", "0.002",
+                                      "--context-length", str(SIM_CONTEXT))
+    sized_for = stack.start_simulator(name="sim-producer")
+    settings = stack.configure(data_dir=str(partition_with_oversized_prompts(stack)),
+                               short_concurrency=2, server_url=sized_for,
+                               long_threshold_tokens=100_000, short_max_tokens=MAX_NEW)
+    stack.worker("short", server_url=served_by, server_kind="vllm")
+    stack.wait_workers(1)
+
+    # When: `datagen run` produces and follows the run to its end
+    run = datagen(stack, "run", "--interval", "0.3")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    # Then: the two prompts longer than its context are dead with vLLM's text; the one that
+    # leaves too little room is served and cut at the context (vLLM does not refuse it)
+    died = stack.ledger().dead("B1")
+    assert sorted(died) == ["B1-huge", "B1-huger"]
+    assert {dead.pattern(text) for text in died.values()} == {
+        "The decoder prompt (length N) is longer than the maximum model length of N. Make "
+        "sure that `max_model_len` is no smaller than the number of text tokens."}
+    # ... and the others are stored once each, their tokens counted once
+    ledger = stack.ledger()
+    recs = [json.loads(line) for path in (Path(settings.output_dir) / "records" / "B1"
+                                          ).glob("*.jsonl")
+            for line in path.read_text().splitlines()]
+    assert sorted(r["id"] for r in recs) == [f"B1-{i:03d}" for i in range(6)] + ["B1-tight"]
+    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in recs)
+    tight = next(r for r in recs if r["id"] == "B1-tight")
+    assert tight["finish_reason"] == {"type": "length", "length": tight["completion_tokens"]}
+    assert len(tight["prompt_ids"]) + tight["completion_tokens"] == SIM_CONTEXT

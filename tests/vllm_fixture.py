@@ -1,8 +1,18 @@
-"""Where the real-vLLM tests find vLLM: the CPU build `make vllm-env` installs in .venv-vllm."""
+"""Where the real-vLLM tests find vLLM (the CPU build `make vllm-env` installs in
+.venv-vllm), and a real vLLM server for generation."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+import requests
+from conftest import wait_until
 from sglang_fixture import in_ci
 
 from cli.stack import REPO
@@ -18,3 +28,77 @@ def vllm_python() -> str:
             pytest.fail(f"CI must run the real-vLLM tests: {reason}", pytrace=False)
         pytest.skip(reason)
     return str(VLLM_PYTHON)
+
+
+@dataclass
+class GenerationServer:
+    """A real vLLM OpenAI server with the token-in/token-out API, in a process group of its
+    own that the launcher ends with this process (datagen/extraction/backends/vllm.py's)."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    max_model_len: int
+
+    def metric(self, name: str) -> float:
+        """A gauge or counter of its /metrics (summed over its labels)."""
+        text = requests.get(f"{self.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+    def running(self) -> int:
+        """Requests in its batch as of its last engine step (a finished request leaves the
+        gauge only at the next step: not a sign that a new one arrived)."""
+        return int(self.metric("vllm:num_requests_running"))
+
+    def added(self, rid: str) -> bool:
+        """Whether it runs (or ran) the request sent with ``rid``: ``--enable-log-requests``
+        logs "Added request generate-tokens-<rid>-<suffix>" once an abort can find it."""
+        return f"Added request generate-tokens-{rid}" in self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+def start_generation_server(model: Path, log: Path, max_model_len: int,
+                            timeout_s: float = 900.0) -> GenerationServer:
+    """How DESIGN.md says to launch vLLM for generation: ``--enable-scale-out`` (the
+    token API), ``--skip-tokenizer-init`` (ids in and out: no tokenizer), float32 here so
+    greedy outputs equal transformers'; ready when /health answers 200."""
+    from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB, LAUNCHER
+
+    python = vllm_python()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", str(max_model_len),
+           "--skip-tokenizer-init", "--enable-scale-out", "--enforce-eager",
+           "--enable-log-requests", "--max-log-len", "8"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen([python, "-c", LAUNCHER, str(os.getpid()), *cmd], stdout=fh,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = GenerationServer(f"http://127.0.0.1:{port}", proc, log, max_model_len)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM exited with {proc.returncode}: "
+                                 f"{log.read_text(errors='replace')[-3000:]}")
+        try:
+            return requests.get(f"{server.url}/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+    try:
+        wait_until(ready, timeout_s, 0.5, what=f"vLLM on {server.url} (log {log})")
+    except BaseException:
+        server.stop()
+        raise
+    return server

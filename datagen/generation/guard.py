@@ -129,7 +129,7 @@ def abort_requests(settings: Settings, targets: Iterable[tuple[str, str]]) -> in
     targets = list(targets)
     if not targets:
         return 0
-    clients = {server: SGLangClient(server, settings.api_key, 5.0, 30.0)
+    clients = {server: SGLangClient(server, settings.api_key, 5.0, 30.0, settings.server_kind)
                for server in {server for server, _ in targets}}
     with ThreadPoolExecutor(min(ABORT_THREADS, len(targets)),
                             thread_name_prefix="abort") as pool:

@@ -55,7 +55,8 @@ class Context:
     @classmethod
     def create(cls, settings: Settings, worker_id: str | None = None) -> Context:
         client = SGLangClient(settings.server_url, settings.api_key,
-                              settings.connect_timeout_s, settings.read_timeout_s)
+                              settings.connect_timeout_s, settings.read_timeout_s,
+                              settings.server_kind)
         owner = worker_id or owner_id(socket.gethostname(), os.getpid())
         ledger = Ledger.from_settings(settings)
         return cls(settings, ledger, client, RecordWriter(settings.output_dir, owner), owner,

@@ -1,0 +1,465 @@
+"""Generation on a real vLLM 0.32 server (the CPU build in .venv-vllm), as workers run it.
+
+One server for the module (an engine start is about 70 s on 2 cores), launched as DESIGN.md
+says: ``--enable-scale-out --skip-tokenizer-init``, a tiny random Llama in float32 built
+here (nothing downloaded). What is checked:
+
+- the simulator's ``--kind vllm`` answers as this server does, request by request (status,
+  error text, body keys, finish reasons), as tests/real_sglang holds the SGLang mode;
+- the client: ids in and out exactly (greedy outputs equal transformers' greedy generate),
+  finish reasons mapped to SGLang's shape, an abort by rid stops a request in flight, a
+  prompt too long for the server is a BadRequest with vLLM's own text, the limits read
+  from it, the kind detected from it;
+- a real Celery worker run end to end on it (``datagen run``): every sample stored once,
+  the ledger's tokens the sum of the records' completion tokens; and an operator's close
+  with abort_on_close: vLLM aborts each request in flight by its id (measured: 4 of 4, none
+  ran on, all ended 0.12 s after the close).
+
+Where .venv-vllm is missing the tests skip with the reason (`make vllm-env`); under CI=true
+they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from conftest import Stack, wait_until, write_jsonl
+from vllm_fixture import GenerationServer, start_generation_server, vllm_python
+
+from cli.stack import REPO, child_env, start_simulator
+from datagen.client import SGLangClient, new_rid, rid_prefix
+from datagen.errors import BadRequest
+from datagen.generation.ledger import Ledger
+from datagen.generation.merge import merge_dataset
+from datagen.generation.records import iter_records, records_dir
+from datagen.servers import KINDS
+
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.usefixtures("cpu_hog_module")]
+
+CONTEXT = 4096  # --max-model-len
+EOS = 2  # the tiny tokenizer's <|eot|>, the model's eos_token_id
+TIMEOUT = (10, 300)
+GENERATE, ABORT = "/inference/v1/generate", "/inference/v1/abort_requests"
+
+# Differences kept on purpose; each is either impossible or unwise to emulate.
+NOT_EMULATED = {
+    "token ids past the vocabulary": "vLLM without a tokenizer does not check them: the "
+    "embedding lookup raises in its worker and the engine core dies (500 'EngineCore "
+    "encountered an issue', then every request fails; seen here with id 600 of 512). The "
+    "simulator answers 400; such a request is never sent to the real one.",
+    "a request_id already in flight": "vLLM runs both (an abort then ends both); the "
+    "simulator answers 400 as SGLang does. The pipeline's rids are unique.",
+    "stream": "vLLM streams server-sent events; the simulator's vLLM mode refuses stream "
+    "(the pipeline never streams).",
+    "other validation texts": "FastAPI's texts for other malformed bodies (a wrong type "
+    "coerced or refused, a body that is not JSON); the pipeline sends neither.",
+    "logit_bias, stop strings, seeds": "the simulator's tokens are seeded draws, not a "
+    "model's; it honours max_tokens, min_tokens, ignore_eos and stop_token_ids only.",
+    "/health while starting": "vLLM listens only once its engine is up; the simulator's "
+    "--startup-s 503s are SGLang's.",
+    "the other routes": "/v1/completions, /metrics, /tokenize and the rest; the pipeline "
+    "uses the five compared here.",
+}
+
+
+@dataclass
+class Target:
+    """One server under comparison: its URL and how to tell that a request is running."""
+
+    name: str
+    url: str
+    running: Callable[[str], bool]
+
+    def post(self, body: dict) -> requests.Response:
+        return requests.post(f"{self.url}{GENERATE}", json=body, timeout=TIMEOUT)
+
+    def abort(self, *ids: str) -> requests.Response:
+        return requests.post(f"{self.url}{ABORT}", json={"request_ids": list(ids)},
+                             timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, encoder: Any
+          ) -> tuple[Path, int]:
+    """A random Llama of the tiny chat tokenizer's vocabulary, with it (2 heads of 64: vLLM's
+    CPU attention takes head sizes of 32 and more), float32."""
+    from datagen.builders.tiny_model import build_tiny_llama
+
+    vllm_python()  # skip (or fail in CI) before building anything
+    return build_tiny_llama(tmp_path_factory.mktemp("vllm-gen") / "model", encoder.vocab_size,
+                            hidden_size=128, num_layers=2, heads=2,
+                            tokenizer_dir=tokenizer_dir), encoder.vocab_size
+
+
+@pytest.fixture(scope="module")
+def vllm(model: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[GenerationServer]:
+    started = time.monotonic()
+    server = start_generation_server(model[0], tmp_path_factory.mktemp("logs") / "vllm.log",
+                                     CONTEXT)
+    print(f"FIGURE vLLM generation server ready after {time.monotonic() - started:.0f} s")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def sim(model: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # Random weights rarely emit EOS, so the real server's answers run to max_tokens; the
+    # simulator's do the same with a natural length past every cap used here.
+    proc, url = start_simulator(tmp_path_factory.mktemp("sim"), [
+        "--kind", "vllm", "--vocab-size", str(model[1]), "--eos-token-id", str(EOS),
+        "--context-length", str(CONTEXT), "--lengths", "fixed:30000", "--decode-step-s",
+        "0.005", "--model-path", "tiny"], name="sim-vllm")
+    yield url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(vllm: GenerationServer, sim: str) -> list[Target]:
+    def sim_running(rid: str) -> bool:
+        log = requests.get(f"{sim}/_sim/log", timeout=30).json()
+        return any(r["event"] == "start" and r["rid"] == rid for r in log)
+    return [Target("vllm", vllm.url, vllm.added),
+            Target("simulator", sim, sim_running)]
+
+
+def both(pair: list[Target], scenario: Callable[[Target], Any]) -> tuple[Any, Any]:
+    real, simulated = (scenario(target) for target in pair)
+    return real, simulated
+
+
+def prompt(length: int) -> list[int]:
+    return [1] + [5] * (length - 1)
+
+
+def rid_of(name: str) -> str:
+    return f"cmp-{name}-{uuid.uuid4().hex[:8]}"
+
+
+def answer(resp: requests.Response) -> tuple[int, Any]:
+    return resp.status_code, (resp.json() if resp.content else resp.content)
+
+
+def shape(body: dict) -> dict:
+    """What must match in a successful answer: everything but the values that differ."""
+    choice = body["choices"][0]
+    return {"keys": sorted(body), "usage": sorted(body["usage"]), "choice": sorted(choice),
+            "finish_reason": choice["finish_reason"], "stop_reason": choice["stop_reason"],
+            "outputs": len(choice["token_ids"]),
+            "prompt_tokens": body["usage"]["prompt_tokens"],
+            "completion_tokens": body["usage"]["completion_tokens"],
+            "weight_versions": choice["weight_versions"], "output_mode": body["output_mode"]}
+
+
+def in_flight(target: Target, rid: str, cap: int) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(resp=target.post({
+        "request_id": rid, "token_ids": prompt(8),
+        "sampling_params": {"max_tokens": cap, "temperature": 0, "ignore_eos": True}})),
+        daemon=True)
+    thread.start()
+    wait_until(lambda: target.running(rid) or "resp" in out, timeout_s=120, interval_s=0.02,
+               what=f"{target.name} to run {rid}")
+    return thread, out
+
+
+# --- the simulator answers as vLLM does -----------------------------------------------------
+
+def test_the_read_only_routes(pair: list[Target]) -> None:
+    def scenario(t: Target) -> dict:
+        models = requests.get(f"{t.url}/v1/models", timeout=30).json()
+        entry = models["data"][0]
+        health = requests.get(f"{t.url}/health", timeout=30)
+        return {"models": sorted(models), "entry": sorted(entry), "owned_by": entry["owned_by"],
+                "max_model_len": entry["max_model_len"], "id": entry["id"],
+                "health": (health.status_code, health.content),
+                "version": requests.get(f"{t.url}/version", timeout=30).json(),
+                "sglang_routes": [requests.get(f"{t.url}{p}", timeout=30).status_code
+                                  for p in ("/server_info", "/health_generate")]}
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+    assert real["owned_by"] == "vllm" and real["max_model_len"] == CONTEXT
+
+
+def test_a_normal_request(pair: list[Target]) -> None:
+    def scenario(t: Target) -> dict:
+        rid = rid_of("normal")
+        body = t.post({"request_id": rid, "token_ids": [1, 5, 6, 7],
+                       "sampling_params": {"max_tokens": 8, "temperature": 0}}).json()
+        return {**shape(body), "request_id": body["request_id"] == "generate-tokens-" + rid}
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+    assert real["finish_reason"] == "length" and real["request_id"]
+
+
+@pytest.mark.parametrize("length, max_tokens", [
+    (CONTEXT + 1, 1),  # longer than max_model_len
+    (CONTEXT, 1),  # max_model_len: no room for one token
+    (CONTEXT - 1, 8),  # served: one token, cut at max_model_len (length)
+    (CONTEXT - 100, 200),  # prompt + max_tokens past max_model_len: served, cut there
+])
+def test_the_length_rules(pair: list[Target], length: int, max_tokens: int) -> None:
+    def scenario(t: Target) -> tuple[int, Any]:
+        resp = t.post({"token_ids": prompt(length), "sampling_params": {
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
+        return (resp.status_code, shape(resp.json())) if resp.ok else answer(resp)
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+
+
+@pytest.mark.parametrize("params", [
+    {"max_tokens": 2, "bogus": 1},  # unknown keys: ignored
+    {"max_tokens": 0},
+    {"max_tokens": 2, "temperature": -1},
+    {"max_tokens": 4, "min_tokens": 5},
+], ids=["unknown-key", "zero-max-tokens", "negative-temperature", "min-over-max"])
+def test_sampling_params_the_pipeline_could_send(pair: list[Target], params: dict) -> None:
+    def scenario(t: Target) -> tuple[int, Any]:
+        resp = t.post({"token_ids": [1, 5], "sampling_params": params})
+        return (resp.status_code, shape(resp.json())) if resp.ok else answer(resp)
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+
+
+@pytest.mark.parametrize("body", [
+    {"token_ids": [], "sampling_params": {"max_tokens": 2}},
+    {"token_ids": [1, 5]},
+], ids=["empty-input", "no-sampling-params"])
+def test_malformed_requests(pair: list[Target], body: dict) -> None:
+    real, simulated = both(pair, lambda t: answer(t.post(body)))
+    assert simulated == real
+    assert real[0] == 400
+
+
+def test_an_abort_by_the_exact_id_it_runs_under(pair: list[Target]) -> None:
+    def scenario(t: Target) -> dict:
+        rid, cap = rid_of("abort"), 3000
+        thread, out = in_flight(t, rid, cap)
+        aborted = t.abort("generate-tokens-" + rid)
+        thread.join(120)
+        body = out["resp"].json()
+        seen = shape(body)
+        made = seen.pop("outputs"), seen.pop("completion_tokens"), seen.pop("weight_versions")
+        return {"abort_answer": (aborted.status_code, aborted.content),
+                "status": out["resp"].status_code, **seen,
+                "partial": made[0] == made[1] < cap}
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+    assert real["partial"] and real["finish_reason"] == "abort"
+    assert real["abort_answer"] == (200, b"")
+
+
+def test_an_abort_by_the_request_id_as_sent_aborts_nothing(pair: list[Target]) -> None:
+    def scenario(t: Target) -> dict:
+        rid, cap = rid_of("plain"), 200
+        thread, out = in_flight(t, rid, cap)
+        answered = t.abort(rid)
+        thread.join(300)
+        return {"abort_answer": answered.status_code,
+                "finish_reason": out["resp"].json()["choices"][0]["finish_reason"],
+                "outputs": len(out["resp"].json()["choices"][0]["token_ids"])}
+    real, simulated = both(pair, scenario)
+    assert simulated == real == {"abort_answer": 200, "finish_reason": "length", "outputs": 200}
+
+
+@pytest.mark.parametrize("body", [{"request_ids": ["generate-tokens-nobody"]},
+                                  {"rid": "nobody"}], ids=["unknown-id", "no-request-ids"])
+def test_other_aborts(pair: list[Target], body: dict) -> None:
+    real, simulated = both(pair, lambda t: answer(requests.post(
+        f"{t.url}{ABORT}", json=body, timeout=30)))
+    assert simulated == real
+
+
+def test_a_stop_on_a_token_the_answer_makes(pair: list[Target]) -> None:
+    def scenario(t: Target) -> dict:
+        body = {"token_ids": [1, 9, 10, 11], "sampling_params": {"max_tokens": 12,
+                                                                   "temperature": 0}}
+        free = t.post(body).json()["choices"][0]["token_ids"]
+        stop_id = free[4]
+        stopped = t.post({**body, "sampling_params": {**body["sampling_params"],
+                                                      "stop_token_ids": [stop_id]}}).json()
+        choice = stopped["choices"][0]
+        return {"finish_reason": choice["finish_reason"],
+                "stop_reason_is_the_id": choice["stop_reason"] == stop_id,
+                "ends_with_it": choice["token_ids"][-1] == stop_id,
+                "prefix_of_the_free_answer": choice["token_ids"] == free[:len(
+                    choice["token_ids"])]}
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+    assert real == {"finish_reason": "stop", "stop_reason_is_the_id": True,
+                    "ends_with_it": True, "prefix_of_the_free_answer": True}
+
+
+# --- the client on the real server ----------------------------------------------------------
+
+def transformers_greedy(model_dir: Path, ids: list[int], max_new: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_ids_in_and_out_exactly_greedy_as_transformers(vllm: GenerationServer,
+                                                       model: tuple[Path, int]) -> None:
+    client = SGLangClient(vllm.url, kind="auto")
+    prompts = [[1, 4, 17, 99, 250], [1] + list(range(300, 340)), [1, 7, 7, 7, 2, 3, 4]]
+    got = [client.generate(ids, {"max_new_tokens": 24, "temperature": 0}, new_rid("greedy"))
+           for ids in prompts]
+    assert client.kind is KINDS["vllm"]  # read from the server's /v1/models
+    for ids, gen in zip(prompts, got, strict=True):
+        assert gen.output_ids == transformers_greedy(model[0], ids, 24)
+        assert gen.prompt_tokens == len(ids) and gen.completion_tokens == len(gen.output_ids)
+        want = ({"type": "stop", "matched": EOS} if gen.output_ids[-1] == EOS
+                else {"type": "length", "length": 24})
+        assert gen.finish_reason == want
+
+
+def test_finish_reasons_in_sglang_s_shape(vllm: GenerationServer) -> None:
+    client = SGLangClient(vllm.url, kind="vllm")
+    ids = [1, 9, 10, 11]
+    free = client.generate(ids, {"max_new_tokens": 12, "temperature": 0}, new_rid())
+    assert free.finish_reason == {"type": "length", "length": 12} and free.truncated
+    stop_id = free.output_ids[5]
+    stopped = client.generate(ids, {"max_new_tokens": 12, "temperature": 0,
+                                    "stop_token_ids": [stop_id]}, new_rid())
+    assert stopped.finish_reason == {"type": "stop", "matched": stop_id}
+    assert stopped.output_ids == free.output_ids[:free.output_ids.index(stop_id) + 1]
+    # EOS made certain by a bias, held back by min_new_tokens: stop_reason null on vLLM
+    eos = client.generate(ids, {"max_new_tokens": 12, "temperature": 0, "min_new_tokens": 3,
+                                "logit_bias": {str(EOS): 100.0}}, new_rid())
+    assert eos.finish_reason == {"type": "stop", "matched": EOS}
+    assert len(eos.output_ids) == 4 and eos.output_ids[-1] == EOS
+
+
+def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> None:
+    client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, 4000
+    made = vllm.metric("vllm:generation_tokens_total")
+    thread = threading.Thread(target=lambda: out.update(gen=client.generate(
+        [1, 5, 6], {"max_new_tokens": cap, "ignore_eos": True}, rid)), daemon=True)
+    thread.start()
+    wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to run")
+    wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 100, 120, 0.05,
+               what="it to decode 100 tokens")
+    asked = time.monotonic()
+    client.abort(rid)
+    thread.join(60)
+    answered_s = time.monotonic() - asked
+    gen = out["gen"]
+    print(f"FIGURE abort answered after {answered_s:.3f} s, {gen.completion_tokens} tokens")
+    assert gen.aborted and gen.finish_reason == {"type": "abort", "message": "Aborted"}
+    assert 100 <= len(gen.output_ids) == gen.completion_tokens < cap
+    # the engine was told: its own log names the request it aborted
+    assert f"Aborted request(s) generate-tokens-{rid}" in vllm.log.read_text(errors="replace")
+
+
+def test_a_prompt_too_long_is_a_bad_request_with_vllm_s_text(vllm: GenerationServer) -> None:
+    client = SGLangClient(vllm.url, kind="vllm")
+    limits = client.limits()
+    assert (limits.context_length, limits.max_input_tokens) == (CONTEXT, CONTEXT)
+    assert limits.room(CONTEXT - 1) == 0 and limits.refusal(CONTEXT - 1)
+    with pytest.raises(BadRequest) as err:
+        client.generate(prompt(CONTEXT), {"max_new_tokens": 1}, new_rid())
+    assert str(err.value).startswith(f"The decoder prompt (length {CONTEXT}) plus the number "
+                                     "of requested output tokens (at least 1) is longer than "
+                                     f"the maximum model length of {CONTEXT}.")
+    assert client.healthy()
+
+
+# --- a real worker run ----------------------------------------------------------------------
+
+def test_a_worker_run_on_vllm_stores_each_sample_once_and_counts_its_tokens(
+        stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
+    # Given: a short worker on the real vLLM server (server_kind vllm), 12 prompts, greedy
+    part = stack.tmp / "partition"
+    write_jsonl(part / "B1_vllm.jsonl",
+                [{"id": f"s{i}", "prompt": f"Say hello number {i}"} for i in range(12)])
+    settings = stack.configure(
+        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
+        tokenizer_path=str(model[0]), sampling_params={"temperature": 0},
+        short_concurrency=4, short_max_tokens=32, read_timeout_s=600.0)
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: `datagen run` produces and follows the run to its end
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
+                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
+                            timeout=900)
+    print(f"FIGURE datagen run on vLLM: {time.monotonic() - started:.1f} s for 12 samples")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Then: every sample stored once and counted once
+    ledger = Ledger.from_settings(settings)
+    merged = merge_dataset(settings.output_dir, "B1_vllm", ledger.committed("B1_vllm"))
+    assert merged.records == 12 and merged.duplicates == 0
+    recs = list(iter_records(records_dir(settings.output_dir, "B1_vllm")))
+    assert sorted(r["id"] for r in recs) == sorted(f"s{i}" for i in range(12))
+    assert ledger.snapshot("B1_vllm")["tokens"] == sum(r["completion_tokens"] for r in recs)
+    for rec in recs:
+        assert rec["prompt_ids"] == stack.encoder.encode(rec["messages"])
+        assert len(rec["output_ids"]) == rec["completion_tokens"] > 0
+        reason = rec["finish_reason"]
+        assert reason in ({"type": "length", "length": 32}, {"type": "stop", "matched": EOS})
+        assert rec["truncated"] == (reason["type"] == "length")
+        assert rec["server"] == vllm.url
+    print("FIGURE records:", json.dumps({r["id"]: r["completion_tokens"] for r in recs}))
+
+
+def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
+        stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
+    # Given: a worker with 4 requests in flight on the real server, each capped far past
+    # what it makes before the close (3,000 tokens), abort_on_close on
+    from datagen.generation import guard
+    from producers.producer import Producer
+
+    part = stack.tmp / "partition"
+    write_jsonl(part / "B2_close.jsonl",
+                [{"id": f"c{i}", "prompt": f"Tell me about topic {i}"} for i in range(8)])
+    settings = stack.configure(
+        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
+        tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
+        short_concurrency=4, short_max_tokens=3000, abort_on_close=True,
+        precise_admission=False, read_timeout_s=600.0)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: len(ledger.in_flight("B2_close")) == 4 and all(
+        vllm.added(e["rid"]) for e in ledger.in_flight("B2_close").values()), 120, 0.05,
+        what="4 requests running on vLLM")
+    rids = {e["rid"] for e in ledger.in_flight("B2_close").values()}
+
+    # When: an operator closes the dataset
+    closed = time.monotonic()
+    assert guard.close(stack.app(), ledger, "B2_close", "operator", abort_in_flight=True)
+    wait_until(lambda: ledger.snapshot("B2_close")["in_flight"] == 0, 120, 0.05,
+               what="the requests in flight to end")
+    ended_s = time.monotonic() - closed
+
+    # Then: vLLM aborted each of the 4 by its id; none ran on to its cap, none was stored
+    # or counted, and nothing more started
+    log = vllm.log.read_text(errors="replace")
+    aborted = {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
+    run_on = rids - aborted
+    print(f"FIGURE close on vLLM: {len(rids)} in flight, {len(run_on)} ran on, all ended "
+          f"{ended_s:.2f} s after the close")
+    assert not run_on
+    assert not list(iter_records(records_dir(settings.output_dir, "B2_close")))
+    assert ledger.snapshot("B2_close")["tokens"] == 0
+    prefix = f"Added request generate-tokens-{rid_prefix('B2_close')}"
+    assert log.count(prefix) == len(rids)  # each once, and none after the close
