@@ -44,6 +44,21 @@ def pytest_configure(config: pytest.Config) -> None:
         launch("default")  # starts loading now; the tests that need it wait for /health
 
 
+# The tests that start vLLM engines (cpu_hog) and those that assert how soon something happens
+# (timing) run in one xdist process, one after another (`make test` runs --dist loadgroup): on
+# two cores an engine start delayed a fresh worker's heartbeat past a lease, and a test that
+# waited for the other process's lock left its own process idle for minutes (CI, 2026-12-04).
+SERIAL_GROUP = "engines-and-timing"
+SERIAL_FIXTURES = {"cpu_hog", "cpu_hog_module", "timing"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERIAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     if config.stash.get(_OWNS_RUN_DIR, False):
         where = Path(os.environ.pop(RUN_DIR_ENV))

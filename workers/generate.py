@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _context: Context | None = None
 _heartbeat: Heartbeat | None = None
+_paused: list[str] = []  # the queues it stopped consuming while its server was lost
 
 
 def context() -> Context:
@@ -58,7 +59,12 @@ def _consume(consumer: Any, server_reachable: bool) -> None:
         if dropped:
             log.warning("dropped %d requests waiting on the unreachable server", dropped)
     hostname = getattr(consumer, "hostname", None)
-    queues = [q.name for q in getattr(getattr(consumer, "task_consumer", None), "queues", [])]
+    if server_reachable:  # the queues it stopped consuming (its consumer lists none now)
+        queues, _paused[:] = list(_paused), []
+    else:
+        queues = [q.name for q in getattr(getattr(consumer, "task_consumer", None), "queues",
+                                          [])]
+        _paused[:] = queues
     if not hostname or not queues:
         return
     for queue in queues:

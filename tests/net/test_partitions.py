@@ -54,6 +54,7 @@ class Fleet:
     sim_args: tuple[str, ...]
     vocab: tuple[int, int]  # vocabulary size, eos id
     procs: dict[str, Process] = field(default_factory=dict)
+    servers: list[Process] = field(default_factory=list)  # the last one running
 
     @property
     def settings(self) -> Settings:
@@ -63,14 +64,14 @@ class Fleet:
         return Ledger(connect(f"unix://{self.sock}"), self.settings)
 
     def start_server(self) -> Process:
-        """The simulator on the server host (its request log appended to, across restarts)."""
+        """A simulator on the server host (one request log for all of them)."""
         vocab, eos = self.vocab
-        sim = self.lab.spawn("server", "simulator", [
+        sim = self.lab.spawn("server", f"simulator-{len(self.servers)}", [
             sys.executable, "-u", "-m", "simulator", "--host", self.lab.hosts["server"].ip,
             "--port", str(SERVER_PORT), "--vocab-size", str(vocab), "--eos-token-id",
             str(eos), "--request-log", str(self.requests_log), *self.sim_args])
         self.lab.wait_log(sim, "SIMULATOR_READY")
-        self.procs["server"] = sim
+        self.servers.append(sim)
         return sim
 
     def worker(self, host: str, **settings: str) -> Process:
@@ -272,6 +273,8 @@ def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_tim
     wait_until(lambda: all(s in ledger.committed("B1") for s in lost), 120,
                what="w1's samples stored by another worker")
     fleet.lab.heal("w1", "server")
+    wait_until(lambda: "consuming again from short" in fleet.procs["w1"].log_text(), 60,
+               what="w1 to take work again once it reaches the server")
 
     # Then: they started again elsewhere within a lease and 2 s of the cut, were counted
     # once, and the run finished by itself with no traceback
@@ -379,7 +382,7 @@ def test_the_server_host_gone_and_replaced_strands_nothing(fleet: Fleet) -> None
     # same address
     others = [h for h in fleet.lab.hosts if h != "server"]
     fleet.lab.cut_from("server", others)
-    fleet.procs["server"].kill()
+    fleet.servers[-1].kill()
     wait_until(lambda: all("stopped consuming" in fleet.procs[w].log_text() for w in WORKERS),
                120, what="both workers to stop consuming")
     left = 12 - len(ledger.committed("B1"))
