@@ -13,7 +13,9 @@ here (nothing downloaded). What is checked:
 - a real Celery worker run end to end on it (``datagen run``): every sample stored once,
   the ledger's tokens the sum of the records' completion tokens; and an operator's close
   with abort_on_close: vLLM aborts each request in flight by its id (measured: 4 of 4, none
-  ran on, all ended 0.12 s after the close).
+  ran on, all ended 0.12 s after the close); a worker SIGKILLed mid-request, then the other
+  too and a restart: the killed requests end on vLLM, each sample runs once more only where
+  reaped, and is counted once.
 
 Where .venv-vllm is missing the tests skip with the reason (`make vllm-env`); under CI=true
 they fail instead.
@@ -463,3 +465,110 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
     assert ledger.snapshot("B2_close")["tokens"] == 0
     prefix = f"Added request generate-tokens-{rid_prefix('B2_close')}"
     assert log.count(prefix) == len(rids)  # each once, and none after the close
+
+
+def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
+        stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
+    # Given: two workers of 2 threads on the real server, 32 prompts each decoding to its cap
+    # of 160 tokens (greedy, ignore_eos), lease 6 s
+    from producers.producer import Producer
+
+    dataset = "B3_kill"
+    part = stack.tmp / "partition"
+    write_jsonl(part / f"{dataset}.jsonl",
+                [{"id": f"k{i}", "prompt": f"Write about subject {i}"} for i in range(32)])
+    settings = stack.configure(
+        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
+        tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
+        short_concurrency=2, short_max_tokens=160, lease_s=6.0, read_timeout_s=600.0)
+    victim = stack.worker("short", name="victim@%h")
+    survivor = stack.worker("short", name="survivor@%h")
+    stack.wait_workers(2)
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+
+    def of(proc: Any) -> dict[str, str]:
+        return {s: e["rid"] for s, e in ledger.in_flight(dataset).items()
+                if f"-{proc.pid}-" in str(e["worker"])}
+    wait_until(lambda: len(of(victim)) == 2 and all(vllm.added(r) for r in of(victim).values()),
+               300, 0.05, what="the victim's 2 requests running on vLLM")
+
+    # When: the victim is SIGKILLed mid-request; once its samples are stored by the survivor,
+    # the survivor is SIGKILLed too, and a new worker with `datagen run` restarts the run
+    lost = of(victim)
+    victim.kill()
+    wait_until(lambda: set(lost) <= set(ledger.committed(dataset)), 300, 0.2,
+               what="the victim's samples stored by the survivor")
+    survivor.kill()
+    done_at_restart = set(ledger.committed(dataset))
+    assert len(done_at_restart) < 32, "the survivor finished the run: no restart to resume"
+    stack.worker("short", name="fresh@%h")
+    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
+                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Then: each sample stored once and counted once at its full length; the killed
+    # requests ended on vLLM (aborted by their ids, not run on to their caps); every request
+    # vLLM ran is a counted one or a reaped one (nothing done before the restart ran again)
+    merged = merge_dataset(settings.output_dir, dataset, ledger.committed(dataset))
+    assert merged.records == 32 and merged.duplicates == 0
+    committed = {s: v.split(" ")[0] for s, v in ledger.committed(dataset).items()}
+    assert all(committed[s] != rid for s, rid in lost.items())
+    snap = ledger.snapshot(dataset)
+    assert snap["tokens"] == 32 * 160
+    log = vllm.log.read_text(errors="replace")
+    assert all(f"Aborted request(s) generate-tokens-{rid}" in log for rid in lost.values())
+    reaped = int(snap["stats"].get("reaped", 0))
+    assert reaped >= len(lost)
+    assert log.count(f"Added request generate-tokens-{rid_prefix(dataset)}") == 32 + reaped
+    print(f"FIGURE kill on vLLM: {len(lost)} killed requests aborted on the server, "
+          f"{reaped} reaped in all, {len(done_at_restart)} of 32 done at the restart, "
+          "32 counted once")
+
+
+def test_a_budget_stops_the_dataset_on_vllm_and_nothing_runs_on(
+        stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
+    # Given: 40 prompts each decoding to its cap of 48 tokens (greedy, ignore_eos), a budget
+    # of 600 tokens (12.5 answers), a worker of 4 threads, abort_on_close on
+    import re
+
+    dataset, budget, cap, threads = "B4_budget", 600, 48, 4
+    part = stack.tmp / "partition"
+    write_jsonl(part / f"{dataset}.jsonl",
+                [{"id": f"b{i}", "prompt": f"Explain item {i}"} for i in range(40)])
+    settings = stack.configure(
+        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
+        tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
+        short_concurrency=threads, short_max_tokens=cap, budgets={dataset: budget},
+        token_budget=10**9, abort_on_close=True, read_timeout_s=600.0)
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: `datagen run` runs it to its end
+    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
+                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Then: closed by its budget, at or over it by less than the requests one worker had in
+    # flight could add; each stored sample counted once; every request of the dataset vLLM
+    # ran is a counted one or ended there by an abort (none ran on after the close)
+    ledger = stack.ledger()
+    snap = ledger.snapshot(dataset)
+    assert snap["closed"] == "budget"
+    assert budget <= snap["tokens"] < budget + threads * cap, snap["tokens"]
+    committed = ledger.committed(dataset)
+    merged = merge_dataset(settings.output_dir, dataset, committed)
+    assert merged.duplicates == 0 and merged.records == snap["stats"]["samples"] < 40
+    assert snap["tokens"] == cap * merged.records
+    log = vllm.log.read_text(errors="replace")
+    ran = set(re.findall(rf"Added request generate-tokens-({rid_prefix(dataset)}[0-9a-f]+)",
+                         log))
+    counted = {v.split(" ")[0] for v in committed.values()}
+    assert counted <= ran
+    ran_on = {r for r in ran - counted if f"Aborted request(s) generate-tokens-{r}" not in log}
+    assert not ran_on, sorted(ran_on)
+    print(f"FIGURE budget on vLLM: {snap['tokens']} tokens counted for a budget of {budget} "
+          f"({100 * (snap['tokens'] - budget) / budget:.1f}% over), {merged.records} of 40 "
+          f"samples, {len(ran - counted)} requests aborted at the close")
