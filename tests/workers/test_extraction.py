@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import manifest_idxs
 
 from datagen.builders.tiny_model import build_tiny_llama
 from datagen.errors import BadInput
@@ -258,14 +259,7 @@ def test_sigkill_mid_shard_then_rerun_leaves_one_complete_file_each(model, model
         d = torch.load(f, weights_only=True)
         assert d["hidden_state"].shape[1] == len(rec["prompt_ids"]) + len(rec["output_ids"])
     assert not [p for p in out.rglob("*") if TMP_MARK in p.name]
-    idxs = []
-    for m in (out / "manifest").glob("*.jsonl"):
-        for line in m.read_text().splitlines():
-            try:
-                idxs.append(json.loads(line)["idx"])
-            except json.JSONDecodeError:
-                pass  # a line torn by the kill is not an entry
-    assert sorted(idxs) == list(range(n))
+    assert sorted(manifest_idxs(out)) == list(range(n))
 
 
 # -- overlong and failures -----------------------------------------------------------------
