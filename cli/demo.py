@@ -153,9 +153,8 @@ def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
                       "`datagen dead` lists them): the demo did not succeed")
             return code or (EXIT_INCOMPLETE if died else 0)
         finally:
-            if not args.keep:
-                for proc in reversed(procs):
-                    proc.stop()
+            for proc in reversed(procs):
+                proc.stop()
             _save_ledger(redis_server, workdir, config, env)
 
 

@@ -176,8 +176,6 @@ def _parser() -> argparse.ArgumentParser:
     parsers["demo"].add_argument("--extract", choices=("hf", "vllm"), default="hf",
                                  help="what extracts: transformers (default) or a real vLLM "
                                  "engine on the CPU (make vllm-env; about a minute more)")
-    parsers["demo"].add_argument("--keep", action="store_true",
-                                 help="leave Redis, simulator and workers running")
     return parser
 
 
