@@ -30,7 +30,7 @@ from datagen.generation.records import Problem, RecordWriter, iter_records
 from datagen.redis_server import free_port
 from producers.producer import Producer
 
-pytestmark = [pytest.mark.chaos, pytest.mark.usefixtures("timing")]
+pytestmark = [pytest.mark.chaos]
 
 
 def partition(root: Path, n: int, name: str = "B1") -> Path:

@@ -31,7 +31,7 @@ from datagen import keys
 from datagen.generation.ledger import Ledger, connect
 from datagen.generation.merge import merge_dataset
 
-pytestmark = [pytest.mark.chaos, pytest.mark.net, pytest.mark.usefixtures("timing")]
+pytestmark = [pytest.mark.chaos, pytest.mark.net]
 REDIS_PORT, SERVER_PORT = 6379, 30000
 WORKERS = ("w1", "w2")
 
