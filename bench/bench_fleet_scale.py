@@ -277,15 +277,18 @@ def table(r: dict[str, Any]) -> str:
              ("cores used: workers / simulators / Redis",
               f"{gen['cores']['workers']} / {gen['cores']['simulators']} / "
               f"{gen['redis']['cpu_cores']}"),
-             ("Redis used_memory peak / at end", "{used_memory_peak:,} / "
-              "{used_memory_at_end:,} MB".format(**r["redis_memory_mb"]))]
+             ("Redis used_memory_peak (INFO, slowlog included) / at end", "{used_memory_peak:,} "
+              "/ {used_memory_at_end:,} MB".format(**r["redis_memory_mb"])),
+             ("Redis used_memory max, sampled each second with the slowlog emptied / the "
+              "slowlog's most", f"{gen['redis_used_memory_max_mb']:,} / "
+              f"{gen['slowlog_memory_max_mb']:,} MB")]
     for name in ("admit", "commit"):
         s = scripts.get(name, {"calls": 0})
         rows.append((f"{name}.lua Redis-side µs: p50 / p99 / max (calls)",
                      f"{s.get('p50_us')} / {s.get('p99_us')} / {s.get('max_us')} "
                      f"({s['calls']:,})"))
     tasks = r["celery_tasks"]
-    outcomes = ", ".join(f"{k} {v:,}" for k, v in tasks["outcomes"].items())
+    outcomes = ", ".join(f"{k} {v:,}" for k, v in tasks["ends"].items())
     rows.append(("Celery task runs per prompt",
                  f"{tasks['received'] / r['prompts']:.3f} ({tasks['received']:,} received: "
                  f"{outcomes}; {tasks['discarded_revoked']:,} revoked, discarded)"))

@@ -25,9 +25,8 @@ from datagen import keys
 from datagen.generation.ledger import Ledger, _script
 
 SLOWLOG_MAX_LEN = 1_000_000
-TASK_RECEIVED = "Task datagen.generate["
 TASK_DISCARDED = "Discarding revoked task: datagen.generate["
-TASK_OUTCOME = re.compile(r"\] succeeded in [0-9.e-]+s: '(\w+)'")
+TASK_LINE = re.compile(r"Task datagen\.generate\[[^\]]+\] (\w+)(?: in [0-9.e-]+s: '(\w+)')?")
 
 
 def script_shas() -> dict[str, str]:
@@ -47,7 +46,8 @@ def percentiles(values: Sequence[float]) -> dict[str, Any]:
 
 class Sampler(threading.Thread):
     """Once a second: drains Redis's slowlog into script times, and notes the time, the
-    samples counted per dataset, Redis's used_memory and the load average."""
+    samples counted per dataset, Redis's used_memory (with the slowlog emptied, and what the
+    slowlog held) and the load average."""
 
     def __init__(self, sock: Path, datasets: Sequence[str], interval_s: float = 1.0):
         super().__init__(name="sampler", daemon=True)
@@ -85,15 +85,19 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         with self.r.pipeline(transaction=True) as pipe:
+            pipe.info("memory")
             pipe.slowlog_get(-1)
             pipe.slowlog_reset()
+            pipe.info("memory")
             for name in self.datasets:
                 pipe.hget(keys.dataset_key(name, keys.STATS), "samples")
-            pipe.info("memory")
-            entries, _, *done, memory = pipe.execute()
+            logged, entries, _, memory, *done = pipe.execute()
         self._drain(entries)
+        # used_memory with the slowlog emptied: the run's own data (ledger, queues)
         self.series.append({"t": time.monotonic(), "done": [int(x or 0) for x in done],
                             "used_memory": int(memory["used_memory"]),
+                            "slowlog_memory": int(logged["used_memory"])
+                            - int(memory["used_memory"]),
                             "load1": os.getloadavg()[0]})
 
     def _drain(self, entries: list[dict[str, Any]]) -> None:
@@ -130,7 +134,9 @@ class Sampler(threading.Thread):
         return {"samples": final, "first_to_last_count_s": round(seconds, 1),
                 "samples_per_s": round(final / seconds, 2),
                 "redis_used_memory_max_mb": round(
-                    max(s["used_memory"] for s in self.series) / 1e6, 1)}
+                    max(s["used_memory"] for s in self.series) / 1e6, 1),
+                "slowlog_memory_max_mb": round(
+                    max(s["slowlog_memory"] for s in self.series) / 1e6, 1)}
 
 
 def vm_hwm_mb(pid: int) -> float:
@@ -143,18 +149,20 @@ def vm_hwm_mb(pid: int) -> float:
 
 def task_runs(logs: Sequence[Path]) -> dict[str, Any]:
     """Celery's own count, from the workers' logs: tasks received, revoked ones discarded,
-    and what the finished ones returned (the runner's outcome: stored, closed, waiting...)."""
+    and how the others ended: succeeded with the runner's outcome (stored, duplicate...),
+    or ignored (parked to wait for room, refused by a closed dataset, dead-lettered)."""
     received = discarded = 0
-    outcomes: Counter[str] = Counter()
+    ends: Counter[str] = Counter()
     for log in logs:
         with open(log, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 if TASK_DISCARDED in line:
                     discarded += 1
-                elif TASK_RECEIVED in line:
-                    if "] received" in line:
+                elif found := TASK_LINE.search(line):
+                    verb, outcome = found.groups()
+                    if verb == "received":
                         received += 1
-                    elif found := TASK_OUTCOME.search(line):
-                        outcomes[found.group(1)] += 1
+                    else:
+                        ends[f"{verb}: {outcome}" if outcome else verb] += 1
     return {"received": received, "discarded_revoked": discarded,
-            "outcomes": dict(outcomes.most_common())}
+            "ends": dict(ends.most_common())}

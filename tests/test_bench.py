@@ -159,7 +159,7 @@ def test_bench_fleet_scale_measures_a_whole_run_across_hosts(
         assert 0 < scripts[name]["p50_us"] <= scripts[name]["p99_us"], name
     assert data["slowlog"]["lost"] == 0
     assert data["celery_tasks"]["received"] >= data["prompts"]
-    assert data["celery_tasks"]["outcomes"]["stored"] == generate["samples"]
+    assert data["celery_tasks"]["ends"]["succeeded: stored"] == generate["samples"]
     min_load = data["load_average_1min"]["min"]
     assert 0 <= min_load <= data["load_average_1min"]["max"]
     # Every sample counted once: two datasets closed by their budget, two finished
