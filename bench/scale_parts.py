@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,8 @@ def dataset_names() -> list[str]:
     return [f"B{d + 1}_scale" for d in range(DATASETS)]
 
 
-def per_dataset(n: int) -> list[int]:
-    return [n // DATASETS + (d < n % DATASETS) for d in range(DATASETS)]
+def per_dataset(n: int, datasets: int = DATASETS) -> list[int]:
+    return [n // datasets + (d < n % datasets) for d in range(datasets)]
 
 
 def sample_id(d: int, i: int) -> str:
@@ -50,18 +52,22 @@ def sample_id(d: int, i: int) -> str:
     return f"s{d}-{i:07d}"
 
 
-def make_partition(root: Path, n: int, seed: int = 0) -> dict[str, Any]:
-    """n plain prompts over DATASETS datasets, LONG_SHARE of them for the long queue; each
-    starts with its dataset and number, so no two are the same text."""
+def make_partition(root: Path, n: int, seed: int = 0, names: Sequence[str] | None = None,
+                   short_words: tuple[int, int] = SHORT_WORDS,
+                   long_words: tuple[int, int] = LONG_WORDS) -> dict[str, Any]:
+    """n plain prompts over the datasets (default: DATASETS of them), LONG_SHARE of them
+    for the long queue; each starts with its dataset and number, so no two are the same
+    text."""
     started = time.monotonic()
     rng = random.Random(seed)
     vocab = [f"w{i}" for i in range(5000)]
-    for d, (name, count) in enumerate(zip(dataset_names(), per_dataset(n), strict=True)):
+    names = list(names or dataset_names())
+    for d, (name, count) in enumerate(zip(names, per_dataset(n, len(names)), strict=True)):
         folder = root / name
         folder.mkdir(parents=True)
         with open(folder / "a.jsonl", "w", encoding="utf-8", buffering=1 << 20) as fh:
             for i in range(count):
-                low, high = LONG_WORDS if rng.random() < LONG_SHARE else SHORT_WORDS
+                low, high = long_words if rng.random() < LONG_SHARE else short_words
                 words = rng.choices(vocab, k=rng.randint(low, high))
                 fh.write(json.dumps({"id": sample_id(d, i),
                                      "prompt": f"{d} {i} " + " ".join(words)}) + "\n")
@@ -106,19 +112,46 @@ def count_lines(path: Path) -> int:
     return lines
 
 
-def datagen(args: list[str], env: dict[str, str], log: Path) -> dict[str, Any]:
-    """``datagen ARGS`` in a child of its own: wall time and peak RSS (``wait4``)."""
+# Runs argv[2:] in a child forked from this small process and writes its wait4 peak RSS to
+# argv[1]. Linux carries the pre-exec memory's high-water mark into ru_maxrss across exec,
+# and a child forked (or vforked) from the bench starts with the bench's own RSS: measured
+# directly, a 40 MB command read as the bench's 300 MB.
+RSS_LAUNCHER = """
+import json, os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as fh:
+    json.dump({"peak_rss_kb": usage.ru_maxrss}, fh)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def datagen(args: list[str], env: dict[str, str], log: Path, prefix: Sequence[str] = ()
+            ) -> dict[str, Any]:
+    """``datagen ARGS`` in a child of its own: wall time and peak RSS (``wait4``, through
+    RSS_LAUNCHER). ``prefix`` runs it through a command that execs in place
+    (``ip netns exec NS``). Interrupted, the command is killed with its process group."""
+    usage = log.with_suffix(".rusage.json")
+    argv = [*prefix, sys.executable, "-c", RSS_LAUNCHER, str(usage),
+            sys.executable, "-m", "cli.main", *args]
     with open(log, "w", encoding="utf-8") as fh:
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=REPO, env=env,
-                                stdout=fh, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         seconds = time.monotonic() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"datagen {' '.join(args)} exited {proc.returncode}; "
                          f"{log}:\n{log.read_text(errors='replace')[-3000:]}")
-    return {"seconds": round(seconds, 3), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
+    peak_kb = json.loads(usage.read_text())["peak_rss_kb"]
+    return {"seconds": round(seconds, 3), "peak_rss_mb": round(peak_kb / 1024, 1)}
 
 
 class Ledger:

@@ -15,7 +15,16 @@ from typing import Any
 
 import pytest
 import redis
-from sglang_fixture import RUN_DIR_ENV, RealServer, healthy, launch, stop_all, wants_real_sglang
+from net.lab import unavailable_reason
+from sglang_fixture import (
+    RUN_DIR_ENV,
+    RealServer,
+    healthy,
+    in_ci,
+    launch,
+    stop_all,
+    wants_real_sglang,
+)
 
 from cli.stack import Process, child_env, start_simulator, start_worker, wait_for_workers
 from config.settings import Settings, load_settings
@@ -136,6 +145,17 @@ def _niced() -> Iterator[None]:
             os.setpriority(os.PRIO_PROCESS, 0, before)
         except PermissionError:
             pass
+
+
+@pytest.fixture(scope="module")
+def can_make_hosts() -> None:
+    """Network namespaces for the multi-host tests (root): skipped where they cannot be
+    made, a failure in CI, which must run them."""
+    reason = unavailable_reason()
+    if reason and in_ci():
+        pytest.fail(f"CI must run the multi-host tests: {reason}", pytrace=False)
+    if reason:
+        pytest.skip(f"no network namespaces here: {reason}")
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cli.stack import REPO
 
 
@@ -127,3 +129,54 @@ def test_bench_memory_measures_rebuild_merge_and_prepare_with_the_tokenizer(
         assert 0 < case[step]["base_mb"] <= case[step]["peak_mb"] < 500, step
     assert "goal <= 500 MB: met" in result.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["memory.json"]  # records deleted
+
+
+@pytest.mark.net
+def test_bench_fleet_scale_measures_a_whole_run_across_hosts(
+        tmp_path: Path, can_make_hosts: None) -> None:
+    out = tmp_path / "fleet.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_fleet_scale.py", "--quick", "--workdir", str(tmp_path),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["prompts"] == 2000 and data["problems"] == []
+    for step in ("produce", "run_command", "merge", "prepare"):
+        assert data[step]["seconds"] > 0 and data[step]["peak_rss_mb"] > 0, step
+    generate = data["generate"]
+    assert generate["samples_per_s"] > 0 and generate["redis"]["script_calls_per_s"] > 0
+    assert set(generate["peak_rss_mb"]) == {"short-w1", "long-w1", "short-w2", "long-w2",
+                                            "sim0", "sim1"}
+    assert all(mb > 0 for mb in generate["peak_rss_mb"].values())
+    memory = data["redis_memory_mb"]
+    assert memory["used_memory_peak"] >= memory["used_memory_at_end"] > 0
+    # Admission and commit times from the run's own slowlog, none of it lost
+    scripts = data["ledger_scripts_redis_side"]
+    assert scripts["admit"]["calls"] >= generate["samples"]
+    assert scripts["commit"]["calls"] >= generate["samples"]
+    for name in ("admit", "commit"):
+        assert 0 < scripts[name]["p50_us"] <= scripts[name]["p99_us"], name
+    assert data["slowlog"]["lost"] == 0
+    assert data["celery_tasks"]["received"] >= data["prompts"]
+    assert data["celery_tasks"]["ends"]["succeeded: stored"] == generate["samples"]
+    min_load = data["load_average_1min"]["min"]
+    assert 0 <= min_load <= data["load_average_1min"]["max"]
+    # Every sample counted once: two datasets closed by their budget, two finished
+    datasets = data["datasets"]
+    closed = [d for d in datasets.values() if d["over_budget_pct"] is not None]
+    assert len(datasets) == 4 and len(closed) == 2
+    assert all(d["closed"] and d["samples"] < d["prompts"] for d in closed)
+    for name, d in datasets.items():
+        assert d["samples"] == d["merged"] == d["merged_ids"], name
+        assert d["tokens"] == d["merged_tokens"] and d["pending"] == d["in_flight"] == 0
+        if d["over_budget_pct"] is None:
+            assert d["samples"] == d["prompts"], name
+    assert sum(d["samples"] for d in datasets.values()) == generate["samples"] \
+        == data["prepare"]["samples"]
+    assert data["disk_written_mb"]["records"] > 0
+    assert "| admit.lua Redis-side" in result.stdout
+    # What the bench made is gone: files and namespaces
+    assert [p.name for p in tmp_path.iterdir()] == ["fleet.json"]
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    assert f"dgn{data['bench_pid']}-" not in namespaces.stdout

@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import redis
 from conftest import CLI_HANG_S, wait_until, write_jsonl
-from net.lab import Lab, unavailable_reason
-from sglang_fixture import in_ci
+from net.lab import Lab
 
 from cli.stack import REPO, Process, child_env
 from config.settings import Settings, load_settings
@@ -34,15 +33,6 @@ from datagen.generation.merge import merge_dataset
 pytestmark = [pytest.mark.chaos, pytest.mark.net]
 REDIS_PORT, SERVER_PORT = 6379, 30000
 WORKERS = ("w1", "w2")
-
-
-@pytest.fixture(scope="module")
-def can_make_hosts() -> None:
-    reason = unavailable_reason()
-    if reason and in_ci():
-        pytest.fail(f"CI must run the multi-host tests: {reason}", pytrace=False)
-    if reason:
-        pytest.skip(f"no network namespaces here: {reason}")
 
 
 @dataclass
