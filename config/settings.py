@@ -54,8 +54,8 @@ class Settings:
     # from the server's /v1/models once per process
     server_kind: str = "sglang"  # what serves server_url: "sglang", "vllm" or "auto"
     # The vLLM server writes each sample's hidden states while it generates (launched with
-    # `datagen capture-args`); the training folder is then built with extract_backend =
-    # "captured", no extraction forward pass. Only with server_kind = "vllm".
+    # the arguments datagen.capture.server_args gives, DESIGN.md); the training folder is
+    # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.
     capture_states: bool = False  # states captured in the generation pass (vLLM only)
     capture_timeout_s: float = 600.0  # wait for a captured file after the answer
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
