@@ -26,6 +26,10 @@ Only tensor-parallel rank 0 writes. On CUDA the rows are copied on a side stream
 memory and the norm and write run in writer threads, so the forward never waits on the disk
 (vLLM's example connector does the same); on the CPU the rows are cloned in the engine's step
 and written by the same threads. Everything else is vLLM's ``ExampleHiddenStatesConnector``.
+
+``CaptureConnector`` (below) is the generation server's sibling for ``capture_states``: the
+same rows, norm and atomic write, for generate requests that name a file under
+``<output_dir>/states`` (datagen/capture.py).
 """
 
 from __future__ import annotations

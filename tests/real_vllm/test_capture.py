@@ -7,6 +7,12 @@ tests/real_vllm/test_vllm_server.py launches it plus datagen.capture.server_args
 random Llama (8 layers, H=128) in float32 built here; its connector may write under one run
 folder's ``states/`` only, which every test here uses. The last test stops it before the
 `vllm` extraction backend starts its own engine (one engine at a time on this host).
+
+Measured (2026-12-04, 2 shared cores): a file released 0.02-0.10 s after the answer on an
+idle server; generation-pass states vs a transformers float32 forward max |diff| 1.5e-6
+(final, post-norm) and 1.2e-7 (aux), relative 3e-7; the captured folder vs a `vllm` backend
+prefill of the same ids max |diff| 0.0 in float32; `datagen run` 15.7 s for 12 samples, the
+folder built by the `captured` backend in 5.4 s.
 """
 
 from __future__ import annotations
