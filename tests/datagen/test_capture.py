@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_jsonl
+from conftest import Stack, wait_until, write_jsonl
 from safetensors.torch import save_file
 
 from config.settings import Settings, SettingsError
@@ -20,6 +20,7 @@ from datagen.errors import CaptureFailed, ServerUnavailable
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import Rejected, prepare
 from datagen.generation.job import Prompt
+from datagen.generation.records import iter_records, records_dir
 from datagen.generation.runner import await_states
 from datagen.servers.base import Generation
 
@@ -194,3 +195,31 @@ def test_the_captured_backend_refuses_states_of_other_aux_layers(tmp_path: Path)
         result = ex.run_shard(shard)
     assert result.written == 0
     assert "captured at aux layers [1, 2, 3]" in result.failures[0].reason
+
+
+def test_a_server_that_writes_no_states_never_gets_a_sample_counted(stack: Stack) -> None:
+    # Given: a worker with capture on against a vLLM-protocol server that answers but writes
+    # no file (the simulator: it ignores kv_transfer_params), one retry
+    from producers.producer import Producer
+
+    stack.start_simulator("--kind", "vllm", "--lengths", "fixed:20", "--decode-step-s", "0.001")
+    part = write_jsonl(stack.tmp / "partition" / "B1.jsonl",
+                       [{"id": f"s{i}", "prompt": f"hello {i}"} for i in range(3)])
+    settings = stack.configure(data_dir=str(part.parent), server_kind="vllm",
+                               capture_states=True, capture_timeout_s=5.0, max_retries=1,
+                               short_concurrency=3)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+
+    # When: the samples run
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: len(ledger.dead("B1")) == 3, 120, what="3 samples given up on")
+
+    # Then: each was tried twice (a new rid each time), none stored or counted
+    assert all("captured states" in why and "not written" in why
+               for why in ledger.dead("B1").values())
+    assert ledger.snapshot("B1")["tokens"] == 0
+    assert not list(iter_records(records_dir(settings.output_dir, "B1")))
+    starts = [e for e in stack.sim_log() if e["event"] == "start"]
+    assert len(starts) == 6 and len({e["rid"] for e in starts}) == 6
