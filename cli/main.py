@@ -157,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     parsers["worker"].add_argument("--gpus", help="gpu: one replica's devices, 0-7 or cpu:2 "
                                                   "(the gpus setting)")
     parsers["worker"].add_argument("--backend", dest="extract_backend",
-                                   choices=("hf", "hf-tp", "sglang", "vllm"),
+                                   choices=("hf", "hf-tp", "sglang", "vllm", "captured"),
                                    help="gpu: the extract_backend setting")
     # Celery's own options (-n, --loglevel, ...) may follow; settings flags work anywhere.
     for name, port in (("flower", 5555), ("metrics", 9108)):

@@ -29,7 +29,7 @@ BUDGET_MEASURES = ("completion", "total")
 REGENERATE_MODES = ("last", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
-EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang", "vllm")  # datagen/extraction/backends
+EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang", "vllm", "captured")  # datagen/extraction/backends
 SERVER_KINDS = ("sglang", "vllm", "auto")  # datagen/servers
 
 
@@ -53,6 +53,11 @@ class Settings:
     # "vllm": vLLM's token-in/token-out API (launched with --enable-scale-out); "auto": read
     # from the server's /v1/models once per process
     server_kind: str = "sglang"  # what serves server_url: "sglang", "vllm" or "auto"
+    # The vLLM server writes each sample's hidden states while it generates (launched with
+    # the arguments datagen.capture.server_args gives, DESIGN.md); the training folder is
+    # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.
+    capture_states: bool = False  # states captured in the generation pass (vLLM only)
+    capture_timeout_s: float = 600.0  # wait for a captured file after the answer
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
@@ -116,6 +121,7 @@ class Settings:
     model_path: str = ""  # local HF model folder of the target model
     gpus: str = ""  # one replica's devices: "" one device (as CUDA_VISIBLE_DEVICES), "0-7", "cpu:2"
     extract_backend: str = "hf"  # "hf" one device, "hf-tp" transformers TP, "sglang", "vllm"
+    # extract_backend = "captured": the files capture_states wrote, no forward pass
     # extract_backend = "vllm": a vLLM engine over the replica's devices (gpus), TP = their count
     vllm_python: str = ""  # Python of an environment with vLLM; "": this one (make vllm-env)
     vllm_args: str = ""  # more `vllm serve` arguments, shell-quoted ("--quantization ...")
@@ -150,6 +156,7 @@ class Settings:
         if self.regenerate not in REGENERATE_MODES:
             raise SettingsError(
                 f"regenerate: {self.regenerate!r} is not one of {REGENERATE_MODES}")
+        self._check_capture()
         if self.budget_counts not in BUDGET_MEASURES:
             raise SettingsError(
                 f"budget_counts: {self.budget_counts!r} is not one of {BUDGET_MEASURES}")
@@ -170,6 +177,19 @@ class Settings:
             if "://" not in getattr(self, url_field):
                 raise SettingsError(f"{url_field}: {masked_url(getattr(self, url_field))!r} "
                                     "is not a URL")
+
+    def _check_capture(self) -> None:
+        if not self.capture_states:
+            return
+        if self.server_kind != "vllm":
+            raise SettingsError(f"capture_states: true needs server_kind = 'vllm' (its "
+                                f"connector writes the states); server_kind is "
+                                f"{self.server_kind!r}")
+        if self.regenerate != "last":
+            raise SettingsError(f"capture_states: true is not built for regenerate = "
+                                f"{self.regenerate!r} (one request per turn); use 'last'")
+        if self.capture_timeout_s <= 0:
+            raise SettingsError(f"capture_timeout_s: {self.capture_timeout_s!r} must be > 0")
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),

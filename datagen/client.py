@@ -141,10 +141,13 @@ class SGLangClient:
         return sess
 
     def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
-                 dataset: str | None = None) -> Generation:
-        """One generate call; raises ServerUnavailable (retryable) or BadRequest."""
+                 dataset: str | None = None, extra: Mapping[str, Any] | None = None
+                 ) -> Generation:
+        """One generate call; raises ServerUnavailable (retryable) or BadRequest. ``extra``
+        goes into the body as it is (vLLM's ``kv_transfer_params`` with capture_states)."""
         kind = self.kind
         path, body = kind.generate_path, kind.generate_body(input_ids, sampling_params, rid)
+        body.update(extra or {})
         headers = dict(self._headers, **{DATASET_HEADER: dataset}) if dataset else self._headers
         started = time.monotonic()
         try:

@@ -3,6 +3,8 @@
     DatagenError
     ├── RetryableError        the same call may succeed later
     │   ├── ServerUnavailable     connection refused/reset, 5xx, 503 queue full, timeout
+    │   │   └── CaptureFailed         the server answered, its states file did not come
+    │   │                             whole (capture_states): the sample is run again
     │   ├── LedgerUnavailable     Redis down or restarting
     │   └── EngineLost            a gpu worker's model engine stopped (the shard is retried)
     └── PermanentError        retrying cannot help: dead-letter with the reason
@@ -21,6 +23,10 @@ class RetryableError(DatagenError):
 
 
 class ServerUnavailable(RetryableError):
+    pass
+
+
+class CaptureFailed(ServerUnavailable):
     pass
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,11 +67,14 @@ class GenerationServer:
 
 
 def start_generation_server(model: Path, log: Path, max_model_len: int,
-                            timeout_s: float = 900.0) -> GenerationServer:
+                            timeout_s: float = 900.0, extra_args: Sequence[str] = ()
+                            ) -> GenerationServer:
     """How DESIGN.md says to launch vLLM for generation: ``--enable-scale-out`` (the
     token API), ``--skip-tokenizer-init`` (ids in and out: no tokenizer), float32 here so
-    greedy outputs equal transformers'; ready when /health answers 200."""
-    from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB, LAUNCHER
+    greedy outputs equal transformers'; ready when /health answers 200. ``extra_args``:
+    capture_states' (datagen.capture.server_args), whose connector the server imports
+    from this checkout."""
+    from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB, LAUNCHER, repo_root
 
     python = vllm_python()
     with socket.socket() as s:
@@ -80,8 +84,10 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", str(max_model_len),
            "--skip-tokenizer-init", "--enable-scale-out", "--enforce-eager",
-           "--enable-log-requests", "--max-log-len", "8"]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB)
+           "--enable-log-requests", "--max-log-len", "8", *extra_args]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB,
+               PYTHONPATH=os.pathsep.join(p for p in (repo_root(), os.environ.get("PYTHONPATH"))
+                                          if p))
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
         proc = subprocess.Popen([python, "-c", LAUNCHER, str(os.getpid()), *cmd], stdout=fh,

@@ -291,7 +291,8 @@ class Extractor:
         done = load_done(out_dir)
         todo: list[Sample] = []
         for line, rec in read_shard(shard_path):
-            s = prepare(line, rec, cfg.max_length, cfg.overlong, self.vocab_size)
+            s = prepare(line, rec, cfg.max_length, cfg.overlong, self.vocab_size,
+                        captured=cfg.backend == "captured")
             if isinstance(s, Rejected):
                 if s.overlong:
                     res.skipped_overlong += 1
@@ -374,10 +375,10 @@ class Extractor:
         return size
 
     def _engine_sample(self, s: Sample, run: _ShardRun) -> int:
-        """Runs in a request thread: the engine writes the file, then it is recorded."""
+        """Runs in a request thread: the engine (or the captured file's reader) writes the
+        file, then it is recorded."""
         rel = relative_path(s.idx)
-        size = self.runner.extract(s.input_ids, sample_loss_mask(s),
-                                   Path(self.cfg.output_dir) / rel)
+        size = self.runner.extract(s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel)
         assert run.manifest is not None
         run.manifest.append({"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
                              "tokens": s.length})

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ class Sample:
     truncated: bool
     # Several generated turns (regenerate = "all"): [start, end) of each, loss_mask 1 there.
     loss_spans: tuple[tuple[int, int], ...] = ()
+    states: str = ""  # the file captured in the generation pass (extract_backend "captured")
 
     @property
     def length(self) -> int:
@@ -82,10 +83,13 @@ def _ids_ok(ids: Any, vocab_size: int) -> bool:
 
 
 def prepare(line: int, rec: Any, max_length: int, overlong: str,
-            vocab_size: int) -> Sample | Rejected:
+            vocab_size: int, captured: bool = False) -> Sample | Rejected:
     """Validate one record and apply the length rule (datagen/training/handoff.py, the one
     SpecForge's data.max_length agrees with); ids out of the vocab are rejected
-    here because on CUDA they would trip a device-side assert that poisons the whole process."""
+    here because on CUDA they would trip a device-side assert that poisons the whole process.
+    ``captured``: the states come from the generation pass, which never ran the last output
+    id (nothing followed it), so the sample ends one id earlier; the last position's final
+    state is the target of no generated token SpecForge trains on."""
     if not isinstance(rec, dict):
         return Rejected(None, f"line {line}", f"not a JSON object: {rec}")
     idx, sid = rec.get("idx"), str(rec.get("id", f"line {line}"))
@@ -94,6 +98,11 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     prompt, output = rec.get("prompt_ids"), rec.get("output_ids")
     if not (_ids_ok(prompt, vocab_size) and _ids_ok(output, vocab_size)):
         return Rejected(idx, sid, f"token ids missing, not ints or outside [0, {vocab_size})")
+    if captured:
+        if not isinstance(rec.get("states"), str) or rec.get("loss_spans") is not None:
+            return Rejected(idx, sid, "no captured states named (the record was generated "
+                                      "without capture_states)")
+        output = output[:-1]
     ids = prompt + output
     if not ids:
         return Rejected(idx, sid, "no tokens")
@@ -105,7 +114,7 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     if not kept:
         return Rejected(idx, sid, why, overlong=True)
     return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first, kept < len(ids),
-                  spans)
+                  spans, rec.get("states", "") if captured else "")
 
 
 def _loss_spans(raw: Any, n_prompt: int, n_ids: int) -> tuple[tuple[int, int], ...] | None:
@@ -152,12 +161,14 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
-def save_atomic(final: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """Write, fsync, rename, fsync the folder; returns the file size."""
+def save_atomic(final: Path, tensors: dict[str, torch.Tensor],
+                save: Callable[[dict[str, torch.Tensor], Path], Any] = torch.save) -> int:
+    """Write (``save``: torch.save, or safetensors' save_file for captured states), fsync,
+    rename, fsync the folder; returns the file size."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
     try:
-        torch.save(tensors, tmp)
+        save(tensors, tmp)
         size = tmp.stat().st_size
         _fsync(tmp)
         os.replace(tmp, final)

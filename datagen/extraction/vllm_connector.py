@@ -26,6 +26,10 @@ Only tensor-parallel rank 0 writes. On CUDA the rows are copied on a side stream
 memory and the norm and write run in writer threads, so the forward never waits on the disk
 (vLLM's example connector does the same); on the CPU the rows are cloned in the engine's step
 and written by the same threads. Everything else is vLLM's ``ExampleHiddenStatesConnector``.
+
+``CaptureConnector`` (below) is the generation server's sibling for ``capture_states``: the
+same rows, norm and atomic write, for generate requests that name a file under
+``<output_dir>/states`` (datagen/capture.py).
 """
 
 from __future__ import annotations
@@ -171,18 +175,87 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         done.record(stream)
         return done, host
 
+    def _states(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [L, ids, H] -> (aux [L, 3H] in the file's order, post-norm final [L, H])."""
+        assert self._norm is not None
+        n, hidden = rows.shape[0], rows.shape[2]
+        aux_slots, last = self._slots[:-1], self._slots[-1]
+        aux = rows[:, aux_slots, :].reshape(n, len(aux_slots) * hidden).to(self._dtype)
+        return aux.contiguous(), rms_norm(rows[:, last, :], self._norm, self._eps).contiguous()
+
     def _write_sample(self, rows: torch.Tensor, event: Any, token_ids: torch.Tensor,
                       spans: list[list[int]], filename: str, lock_fd: int) -> None:
         """A writer thread: rows [L, ids, H] -> the SpecForge file; the lock goes either way."""
         try:
             event.synchronize()
-            assert self._norm is not None
-            n, hidden = rows.shape[0], rows.shape[2]
-            aux_slots, last = self._slots[:-1], self._slots[-1]
-            aux = rows[:, aux_slots, :].reshape(1, n, len(aux_slots) * hidden).to(self._dtype)
-            final = rms_norm(rows[:, last, :], self._norm, self._eps).reshape(1, n, hidden)
+            aux, final = self._states(rows)
+            n = aux.shape[0]
             save_atomic(Path(filename), {
                 "input_ids": token_ids.to(torch.int64), "loss_mask": loss_mask(spans, n),
-                "aux_hidden_state": aux.contiguous(), "hidden_state": final.contiguous()})
+                "aux_hidden_state": aux.unsqueeze(0), "hidden_state": final.unsqueeze(0)})
+        finally:
+            os.close(lock_fd)
+
+
+class CaptureConnector(DatagenConnector):
+    """The generation server's: the states of each request that names a file, prompt and
+    generated positions (``include_output_tokens``), written while the server generates.
+
+    Differences from the extraction connector above: a request without ``hidden_states_path``
+    (or naming a file outside ``shared_storage_path``) is served and nothing is locked or
+    written for it (vLLM's example connector writes every request somewhere); an aborted
+    request's states are dropped (its lock released, no file); the file is safetensors
+    (datagen/capture.py reads its ids without torch) and has no loss mask, which the build
+    step derives from the record."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        spec = vllm_config.speculative_config.draft_model_config.hf_config
+        capture = list(spec.eagle_aux_hidden_state_layer_ids)
+        # the project's aux layers (outputs) the file holds, for the build step to check
+        self._meta = {"aux_layer_ids": json.dumps([capture[i] - 1 for i in self._slots[:-1]]),
+                      "hidden_state": "post-norm"}
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id, filename in list(meta.new_req_filenames.items()):
+            if not self._named(req_id, scheduler_output):
+                del meta.new_req_filenames[req_id]
+                self._request_filenames.pop(req_id, None)
+            elif not self._inside_root(filename):
+                log.error("request %s: %s is outside %s; not captured", req_id, filename,
+                          self._root)
+                del meta.new_req_filenames[req_id]
+                self._request_filenames.pop(req_id, None)
+        return meta
+
+    @staticmethod
+    def _named(req_id: str, scheduler_output: Any) -> bool:
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id == req_id:
+                extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
+                return bool((extra.get("kv_transfer_params") or {}).get("hidden_states_path"))
+        return False
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            # its lock is released by get_finished, which sees every finished request
+            self._request_filenames.pop(request.request_id, None)
+            return False, None
+        return super().request_finished(request, block_ids)
+
+    def _write_sample(self, rows: torch.Tensor, event: Any, token_ids: torch.Tensor,
+                      spans: list[list[int]], filename: str, lock_fd: int) -> None:
+        from safetensors.torch import save_file
+
+        try:
+            event.synchronize()
+            aux, final = self._states(rows)
+            save_atomic(Path(filename), {"input_ids": token_ids.to(torch.int64).contiguous(),
+                                         "aux_hidden_state": aux, "hidden_state": final},
+                        save=lambda tensors, path: save_file(tensors, str(path), self._meta))
         finally:
             os.close(lock_fd)

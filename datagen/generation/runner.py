@@ -13,13 +13,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from config.settings import Settings
+from datagen import capture
 from datagen.client import Generation, SGLangClient, backoff_s, new_rid
 from datagen.errors import (
     BadInput,
     BadRequest,
+    CaptureFailed,
     LedgerUnavailable,
     ServerUnavailable,
     StorageError,
@@ -94,9 +97,29 @@ def admit(ctx: Context, job: Job, rid: str) -> Admission:
     return _until_ledger(attempt, f"admission of {job.dataset}/{job.sample}")
 
 
-def call(ctx: Context, job: Job, prompt: Prompt, rid: str) -> Generation:
+def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
+         states: Path | None = None) -> Generation:
+    extra = {"kv_transfer_params": capture.request_params(states)} if states else None
     return ctx.client.generate(prompt.prompt_ids, sampling_params(ctx.settings, job), rid,
-                               dataset=job.dataset)
+                               dataset=job.dataset, extra=extra)
+
+
+def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
+                 ) -> dict[str, Any]:
+    """Wait for the server's file of this attempt and check it against the ids this worker
+    holds (prompt + output, the last output id excepted: never an input). What the record
+    says of it; CaptureFailed (retryable: the sample runs again) when it does not come whole
+    within ``capture_timeout_s`` or is not this sample's."""
+    if not capture.wait_released(path, settings.capture_timeout_s):
+        raise CaptureFailed(f"{path.name} still locked by the server after "
+                            f"{settings.capture_timeout_s:.0f} s (capture_timeout_s)")
+    try:
+        size = capture.check_file(path, prompt.prompt_ids + gen.output_ids[:-1])
+    except (capture.CaptureMismatch, OSError) as exc:
+        raise CaptureFailed(f"captured states: {exc}") from exc
+    Path(f"{path}.lock").unlink(missing_ok=True)
+    return {"states": str(path.relative_to(Path(settings.output_dir).resolve())),
+            "states_bytes": size}
 
 
 def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
@@ -186,21 +209,31 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
     prompt = read_prompt(ctx.settings.output_dir, job)
     if job.turns > 1:
         return _generate_conversation(ctx, job, prompt, lease)
-    gen = call(ctx, job, prompt, lease.rid)
-    if gen.aborted:
-        # Aborted because the dataset closed (abort policy) or this worker is stopping:
-        # the partial output is discarded, never stored (the lease is released on exit).
-        ctx.ledger.count(job.dataset, "discarded_tokens", gen.completion_tokens)
-        if STOPPING.is_set() and not ctx.ledger.closed(job.dataset):
-            return Outcome("requeue", detail="handed back on shutdown")
-        return Outcome("discarded", gen.completion_tokens)
-    if gen.truncated and not ctx.settings.keep_truncated:
-        return _dead(ctx, job, "truncated at max_new_tokens and keep_truncated is off")
+    states = (capture.states_path(ctx.settings.output_dir, job.dataset, lease.rid)
+              if ctx.settings.capture_states else None)
+    recorded = False
     try:
-        persist(ctx, job, prompt, lease.rid, gen)
-    except StorageError as exc:
-        log.error("sample %s of %s not stored: %s", job.sample, job.dataset, exc)
-        raise
+        gen = call(ctx, job, prompt, lease.rid, states)
+        if gen.aborted:
+            # Aborted because the dataset closed (abort policy) or this worker is stopping:
+            # the partial output is discarded, never stored (the lease is released on exit).
+            ctx.ledger.count(job.dataset, "discarded_tokens", gen.completion_tokens)
+            if STOPPING.is_set() and not ctx.ledger.closed(job.dataset):
+                return Outcome("requeue", detail="handed back on shutdown")
+            return Outcome("discarded", gen.completion_tokens)
+        if gen.truncated and not ctx.settings.keep_truncated:
+            return _dead(ctx, job, "truncated at max_new_tokens and keep_truncated is off")
+        # with capture on, a sample is never counted without its states: its record names them
+        extra = await_states(ctx.settings, states, prompt, gen) if states else None
+        try:
+            persist(ctx, job, prompt, lease.rid, gen, extra)
+        except StorageError as exc:
+            log.error("sample %s of %s not stored: %s", job.sample, job.dataset, exc)
+            raise
+        recorded = True
+    finally:
+        if states and not recorded:  # no record will ever name this attempt's file
+            capture.remove(states)
     return commit(ctx, job, prompt, lease, gen)
 
 

@@ -314,7 +314,7 @@ def _write_shards(out: Path, table: SampleTable, order: np.ndarray, per_shard: i
         chunk = order[start:start + per_shard]
         rel = shard_relpath(number)
         digest = hashlib.sha256()
-        lines = (_shard_line(start + i, _read(reader, table.entry(row), besides), digest)
+        lines = (_shard_line(start + i, _read(reader, table.entry(row), besides), digest, out)
                  for i, row in enumerate(chunk.tolist()))
         write_atomic(out / rel, lines)
         shards.append({"path": rel, "first_idx": start, "samples": len(chunk),
@@ -335,12 +335,14 @@ def _read(reader: _Reader, entry: Entry, besides: Callable[[Entry, dict[str, Any
     return record
 
 
-def _shard_line(idx: int, record: dict[str, Any], digest: Any) -> str:
+def _shard_line(idx: int, record: dict[str, Any], digest: Any, out: Path) -> str:
     row = {"idx": idx, "id": str(record["id"]), "dataset": record["dataset"],
            "prompt_ids": record["prompt_ids"], "output_ids": record["output_ids"]}
     spans = loss_spans(record)
     if spans is not None:  # several generated turns: the loss covers each of them
         row["loss_spans"] = spans
+    if record.get("states"):  # captured in the generation pass (capture_states)
+        row["states"] = str(out.resolve() / record["states"])
     line = json.dumps(row, separators=(",", ":"), ensure_ascii=False) + "\n"
     digest.update(line.encode("utf-8"))
     return line

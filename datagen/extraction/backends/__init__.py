@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-NAMES = ("hf", "hf-tp", "sglang", "vllm")
+NAMES = ("hf", "hf-tp", "sglang", "vllm", "captured")
 # backends whose model spans the replica's ranks: each rank loads its part, all run each row
 DISTRIBUTED = ("hf-tp", "sglang")
 # the backend whose engine spans the replica's devices by itself: one worker process
@@ -26,4 +26,7 @@ def create(name: str, cfg: Any, device: Any) -> Any:
     if name == "vllm":
         from datagen.extraction.backends import vllm
         return vllm.create(cfg, device)
+    if name == "captured":
+        from datagen.extraction.backends import captured
+        return captured.create(cfg, device)
     raise ValueError(f"extract_backend={name!r}: expected one of {list(NAMES)}")

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from datagen.capture import vllm_capture
 from datagen.errors import EngineLost
 from datagen.extraction.backends.base import set_shape, text_config
 
@@ -85,16 +86,6 @@ class EngineOptions:
     start_timeout_s: float = 1800.0
     tensor_parallel: int = 1
     log_path: str = ""            # "": <output_dir>/logs/vllm-<host>-<pid>.log
-
-
-def vllm_capture(aux_ids: Sequence[int], num_layers: int) -> tuple[list[int], list[int]]:
-    """vLLM's capture ids for this project's aux layers, and where each stored state is among
-    them. vLLM's id j is the input of layer j, so the output of layer i is id i+1, and id N
-    (the last layer's pre-norm output) gives the final state. vLLM keeps one state per distinct
-    id, in layer order; the file keeps the aux layers in ``aux_ids`` order, then the final."""
-    wanted = [i + 1 for i in aux_ids] + [num_layers]
-    ids = sorted(set(wanted))
-    return ids, [ids.index(i) for i in wanted]
 
 
 def engine_python(wanted: str) -> str:
@@ -254,10 +245,12 @@ class VLLMBackend:
             self._local.session = requests.Session()
         return self._local.session
 
-    def extract(self, ids: Sequence[int], mask: Sequence[int], path: Path) -> int:
-        """One sample through the engine into ``path``; returns the file's size."""
+    def extract(self, sample: Any, mask: Sequence[int], path: Path) -> int:
+        """One sample (files.Sample) through the engine into ``path``; returns the file's
+        size."""
         import requests
 
+        ids = sample.input_ids
         path = path.resolve()
         path.unlink(missing_ok=True)  # an older file of this sample, never recorded: rewritten
         body = {"model": SERVED_NAME, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,

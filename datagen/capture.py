@@ -1,0 +1,173 @@
+"""Hidden states captured by the vLLM generation server while it generates (`capture_states`).
+
+With capture on, each generate request carries ``kv_transfer_params`` naming a file of its
+own under ``<output_dir>/states/<dataset>/<rid>.safetensors``; the server's connector
+(datagen/extraction/vllm_connector.py, ``CaptureConnector``) writes there, once the request
+ended, the states of every position the engine ran (the prompt and the generated tokens, the
+last generated one excepted: it was never an input):
+
+    input_ids        int64 [L]        prompt_ids + output_ids[:-1]
+    aux_hidden_state dtype [L, 3H]    the aux layers' outputs, low | mid | high
+    hidden_state     dtype [L, H]     the final RMSNorm over the last layer's output (post-norm,
+                                      as SpecForge stores it: the build step applies nothing)
+
+(safetensors: the worker checks a file from its header and its ids alone, without torch). The
+file is renamed into place whole; ``<file>.lock`` is flocked from before the answer until the
+write ended, written or not. The worker waits for the lock, checks the file against the ids
+it holds and names it in its record before the commit; the training folder is built from the
+files the committed records name (``extract_backend = "captured"``), nothing else.
+
+This module is the part both sides share and imports no torch: the names, the check, the
+wait, and the server's capture arguments.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STATES_DIR = "states"
+SUFFIX = ".safetensors"
+CONNECTOR = "CaptureConnector"
+CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
+LOCK_POLL_S = 0.01
+KEYS = ("input_ids", "aux_hidden_state", "hidden_state")
+DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+
+
+class CaptureMismatch(ValueError):
+    """The file is there but is not the sample's states (other ids, shapes, a short file)."""
+
+
+def states_path(output_dir: str | Path, dataset: str, rid: str) -> Path:
+    """The attempt's file: named by its rid, so a re-run never meets an older attempt's."""
+    return Path(output_dir).resolve() / STATES_DIR / dataset / f"{rid}{SUFFIX}"
+
+
+def request_params(path: Path) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a generate request whose states go to ``path``."""
+    return {"hidden_states_path": str(path), "include_output_tokens": True}
+
+
+def vllm_capture(aux_ids: Sequence[int], num_layers: int) -> tuple[list[int], list[int]]:
+    """vLLM's capture ids for this project's aux layers, and where each stored state is among
+    them. vLLM's id j is the input of layer j, so the output of layer i is id i+1, and id N
+    (the last layer's pre-norm output) gives the final state. vLLM keeps one state per distinct
+    id, in layer order; the file keeps the aux layers in ``aux_ids`` order, then the final."""
+    wanted = [i + 1 for i in aux_ids] + [num_layers]
+    ids = sorted(set(wanted))
+    return ids, [ids.index(i) for i in wanted]
+
+
+def server_args(model_path: str, output_dir: str | Path, dtype: str,
+                aux_layer_ids: Sequence[int] | None = None) -> list[str]:
+    """The `vllm serve` arguments that turn capture on: vLLM's ``extract_hidden_states``
+    method over the aux layers and the final one, and this project's connector, allowed to
+    write under ``<output_dir>/states`` only. The server needs ``PYTHONPATH`` to reach the
+    ``datagen`` package."""
+    from datagen.extraction.estimate import default_aux_layer_ids
+
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    layers = int(config.get("text_config", config)["num_hidden_layers"])
+    ids, slots = vllm_capture(aux_layer_ids or default_aux_layer_ids(layers), layers)
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
+    root = Path(output_dir).resolve() / STATES_DIR
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
+          "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(root),
+                                        "allow_custom_save_path": True, "dtype": dtype,
+                                        "slots": slots}}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
+            "--no-enable-prefix-caching"]
+
+
+def wait_released(path: Path, timeout_s: float) -> bool:
+    """Wait until the connector released ``<path>.lock`` (the write ended, written or not);
+    False after ``timeout_s``. A lock file that never appeared counts as released: the
+    connector creates it before the answer leaves the server."""
+    lock = Path(f"{path}.lock")
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(LOCK_POLL_S)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Header:
+    tensors: dict[str, dict[str, Any]]
+    data_start: int
+    size: int
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.tensors[key]["shape"])
+
+
+def read_header(path: Path) -> Header:
+    """A safetensors header, checked against the file's size (a short file is refused)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise CaptureMismatch(f"{path.name}: {size} bytes, no header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CaptureMismatch(f"{path.name}: header of {n} bytes in a {size}-byte file")
+        meta = json.loads(fh.read(n))
+    meta.pop("__metadata__", None)
+    end = max((t["data_offsets"][1] for t in meta.values()), default=0)
+    if 8 + n + end != size:
+        raise CaptureMismatch(f"{path.name}: {size} bytes, the header says {8 + n + end}")
+    return Header(meta, 8 + n, size)
+
+
+def check_file(path: Path, ids: Sequence[int]) -> int:
+    """That ``path`` holds the states of exactly ``ids`` (prompt + output minus its last):
+    every key, consistent shapes, the whole size, the same ids. Returns the file's size."""
+    if not path.is_file():
+        raise CaptureMismatch(f"{path.name}: not written")
+    head = read_header(path)
+    missing = [k for k in KEYS if k not in head.tensors]
+    if missing:
+        raise CaptureMismatch(f"{path.name}: no {', '.join(missing)}")
+    n = len(ids)
+    ids_info = head.tensors["input_ids"]
+    aux, final = head.shape("aux_hidden_state"), head.shape("hidden_state")
+    if (ids_info["dtype"] != "I64" or ids_info["shape"] != [n] or len(aux) != 2
+            or len(final) != 2 or aux[0] != n or final[0] != n or aux[1] % final[1]):
+        raise CaptureMismatch(f"{path.name}: input_ids {ids_info['shape']}, aux {aux}, "
+                              f"final {final}; expected {n} positions")
+    start, end = ids_info["data_offsets"]
+    with open(path, "rb") as fh:
+        fh.seek(head.data_start + start)
+        stored = struct.unpack(f"<{n}q", fh.read(end - start))
+    if list(stored) != list(ids):
+        first = next(i for i, (a, b) in enumerate(zip(stored, ids, strict=True)) if a != b)
+        raise CaptureMismatch(f"{path.name}: token {first} is {stored[first]}, the sample's "
+                              f"is {ids[first]}")
+    return head.size
+
+
+def remove(path: Path) -> None:
+    """Drop an attempt's file and its lock (an abort, a failed check, a failed attempt)."""
+    for p in (path, Path(f"{path}.lock")):
+        p.unlink(missing_ok=True)

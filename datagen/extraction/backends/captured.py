@@ -1,0 +1,70 @@
+"""The `captured` backend: SpecForge's files from the states the generation server captured
+(``capture_states``), with no forward pass.
+
+Each shard line names the file its committed record names (datagen/capture.py: ``input_ids``
+[L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last output id never
+an input and so not in it); files.prepare cut the sample to those ids and to
+``train_max_length``. This backend reads the kept positions only (safetensors slices), checks
+the ids, casts to ``extract_dtype`` and writes ``data_{idx}.ckpt`` through the Extractor's
+atomic write, loss mask from the record's prompt/output split; the Extractor keeps everything
+else (shards, resume, manifest, vocab counts, dead letters) as for the other backends. Files
+no committed record names (an aborted, reaped or duplicate attempt's) are never read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from datagen.extraction.backends.base import set_shape, text_config
+from datagen.extraction.files import Sample, sample_tensors, save_atomic
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CapturedBackend:
+    packs = False
+    writes_files = True  # each file is written from its captured one; forward_row never runs
+
+    def __init__(self, cfg: Any, device: torch.device):
+        set_shape(self, text_config(cfg.model_path), cfg.aux_layer_ids, device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.inflight = cfg.writer_threads
+
+    def forward_row(self, id_lists: Sequence[Sequence[int]], out: torch.Tensor) -> None:
+        raise NotImplementedError("the captured backend runs no forward: Extractor uses extract()")
+
+    def states(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [1, n, 3H], final [1, n, H]) of the sample's kept positions, checked."""
+        from safetensors import safe_open
+
+        n = sample.length
+        with safe_open(sample.states, framework="pt") as fh:
+            aux_ids = json.loads((fh.metadata() or {}).get("aux_layer_ids", "null"))
+            if aux_ids != list(self.aux_layer_ids):
+                raise ValueError(f"{Path(sample.states).name}: captured at aux layers "
+                                 f"{aux_ids}, extraction asks for {list(self.aux_layer_ids)}")
+            ids = fh.get_slice("input_ids")[:n]
+            aux = fh.get_slice("aux_hidden_state")[:n]
+            final = fh.get_slice("hidden_state")[:n]
+        if ids.tolist() != sample.input_ids:
+            raise ValueError(f"{Path(sample.states).name}: its ids are not the record's")
+        if aux.shape != (n, self.n_aux * self.hidden) or final.shape != (n, self.hidden):
+            raise ValueError(f"{Path(sample.states).name}: aux {list(aux.shape)}, final "
+                             f"{list(final.shape)}; expected {n} x {self.n_aux} x {self.hidden}")
+        return aux.to(self.dtype).unsqueeze(0), final.to(self.dtype).unsqueeze(0)
+
+    def extract(self, sample: Sample, mask: Sequence[int], path: Path) -> int:
+        aux, final = self.states(sample)
+        return save_atomic(path, sample_tensors(sample, aux, final))
+
+    def close(self) -> None:
+        pass
+
+
+def create(cfg: Any, device: torch.device) -> CapturedBackend:
+    return CapturedBackend(cfg, device)

@@ -1,0 +1,225 @@
+"""capture_states without a server: the file check, the lock wait, the settings, the server's
+arguments, the worker's wait, the shard rule and the `captured` backend (the real vLLM server:
+tests/real_vllm/test_capture.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Stack, wait_until, write_jsonl
+from safetensors.torch import save_file
+
+from config.settings import Settings, SettingsError
+from datagen import capture
+from datagen.errors import CaptureFailed, ServerUnavailable
+from datagen.extraction.extractor import ExtractionConfig, Extractor
+from datagen.extraction.files import Rejected, prepare
+from datagen.generation.job import Prompt
+from datagen.generation.records import iter_records, records_dir
+from datagen.generation.runner import await_states
+from datagen.servers.base import Generation
+
+H, LAYERS, VOCAB = 8, 8, 100
+AUX = [1, 3, 4]  # SpecForge's default for 8 layers
+
+
+def write_states(path: Path, ids: list[int], seed: int = 0, aux_ids: list[int] = AUX) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"input_ids": torch.tensor(ids, dtype=torch.int64),
+               "aux_hidden_state": torch.randn(len(ids), 3 * H, generator=g),
+               "hidden_state": torch.randn(len(ids), H, generator=g)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), {"aux_layer_ids": json.dumps(aux_ids)})
+    return tensors
+
+
+def test_a_whole_file_of_the_samples_ids_passes_the_check(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    write_states(path, [5, 6, 7, 8])
+    assert capture.check_file(path, [5, 6, 7, 8]) == path.stat().st_size
+
+
+@pytest.mark.parametrize("damage,why", [
+    ("other_ids", "token 2 is 7"), ("short", "bytes"), ("missing", "not written"),
+    ("fewer", "expected 5 positions")])
+def test_a_file_that_is_not_the_samples_states_is_refused(tmp_path: Path, damage: str,
+                                                          why: str) -> None:
+    path = tmp_path / "a.safetensors"
+    write_states(path, [5, 6, 7, 8])
+    ids = [5, 6, 9, 8]
+    if damage == "other_ids":
+        pass
+    elif damage == "short":  # killed mid-write without the atomic rename: a torn file
+        ids = [5, 6, 7, 8]
+        with open(path, "r+b") as fh:
+            fh.truncate(path.stat().st_size - 3)
+    elif damage == "missing":
+        path.unlink()
+    else:
+        ids = [5, 6, 7, 8, 9]
+    with pytest.raises(capture.CaptureMismatch, match=why):
+        capture.check_file(path, ids)
+
+
+def test_the_wait_ends_when_the_servers_lock_is_released(tmp_path: Path) -> None:
+    path = tmp_path / "a.safetensors"
+    held = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)  # the connector holds it from before the answer
+    assert not capture.wait_released(path, 0.05)
+    os.close(held)  # the write ended
+    assert capture.wait_released(path, 0.05)
+    assert capture.wait_released(tmp_path / "never.safetensors", 0.05)
+
+
+def test_files_are_named_by_the_attempts_rid_under_the_runs_states_folder(tmp_path: Path
+                                                                          ) -> None:
+    a, b = (capture.states_path(tmp_path, "B1", rid) for rid in ("r1", "r2"))
+    assert a == tmp_path.resolve() / "states" / "B1" / "r1.safetensors" and a != b
+    assert capture.request_params(a) == {"hidden_states_path": str(a),
+                                         "include_output_tokens": True}
+
+
+def test_capture_needs_a_vllm_server_and_says_so() -> None:
+    with pytest.raises(SettingsError, match="capture_states: true needs server_kind = 'vllm'"):
+        Settings(capture_states=True)
+    with pytest.raises(SettingsError, match="server_kind is 'auto'"):
+        Settings(capture_states=True, server_kind="auto")
+    with pytest.raises(SettingsError, match="regenerate = 'all'"):
+        Settings(capture_states=True, server_kind="vllm", regenerate="all")
+    assert Settings(capture_states=True, server_kind="vllm").capture_states
+
+
+def test_server_args_capture_the_aux_layers_and_the_last_one_under_states(tmp_path: Path
+                                                                          ) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": LAYERS}))
+    args = capture.server_args(str(tmp_path), tmp_path / "run", "float32")
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        2, 4, 5, 8]
+    extra = kv["kv_connector_extra_config"]
+    assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (
+        "CaptureConnector", "datagen.extraction.vllm_connector")
+    assert extra["shared_storage_path"] == str((tmp_path / "run" / "states").resolve())
+    assert extra["slots"] == [0, 1, 2, 3] and extra["dtype"] == "float32"
+
+
+def gen(output_ids: list[int]) -> Generation:
+    return Generation(output_ids, {"type": "length"}, 3, len(output_ids), 0.1, "")
+
+
+def test_the_worker_names_a_checked_file_and_a_late_or_wrong_one_is_retryable(
+        tmp_path: Path) -> None:
+    settings = Settings(output_dir=str(tmp_path), capture_states=True, server_kind="vllm",
+                        capture_timeout_s=0.05)
+    prompt = Prompt("s", "B1", [], [1, 2, 3])
+    path = capture.states_path(tmp_path, "B1", "r1")
+    write_states(path, [1, 2, 3, 40, 41])  # prompt + output minus its last id
+    Path(f"{path}.lock").touch()
+    got = await_states(settings, path, prompt, gen([40, 41, 42]))
+    assert got == {"states": "states/B1/r1.safetensors", "states_bytes": path.stat().st_size}
+    assert not Path(f"{path}.lock").exists()
+    with pytest.raises(CaptureFailed, match="token 4 is 41") as err:
+        await_states(settings, path, prompt, gen([40, 43, 42]))
+    assert isinstance(err.value, ServerUnavailable)  # run_job retries it as a server fault
+    held = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(CaptureFailed, match="still locked"):
+            await_states(settings, path, prompt, gen([40, 41, 42]))
+    finally:
+        os.close(held)
+
+
+def test_a_captured_sample_ends_one_id_earlier_and_needs_its_file() -> None:
+    rec = {"idx": 0, "id": "s", "dataset": "B1", "prompt_ids": [1, 2], "output_ids": [3, 4, 5],
+           "states": "/x.safetensors"}
+    s = prepare(1, rec, 2048, "truncate", VOCAB, captured=True)
+    assert s.input_ids == [1, 2, 3, 4] and s.n_prompt == 2 and s.states == "/x.safetensors"
+    assert prepare(1, rec, 2048, "truncate", VOCAB).input_ids == [1, 2, 3, 4, 5]
+    del rec["states"]
+    assert isinstance(prepare(1, rec, 2048, "truncate", VOCAB, captured=True), Rejected)
+
+
+def test_the_captured_backend_writes_specforge_files_from_the_captured_states(
+        tmp_path: Path) -> None:
+    # Given: two records with captured files, one longer than train_max_length
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"hidden_size": H, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}))
+    recs, states = [], {}
+    for idx, (n_prompt, n_out) in enumerate([(3, 6), (4, 20)]):
+        prompt, out = list(range(10, 10 + n_prompt)), list(range(50, 50 + n_out))
+        path = tmp_path / "run" / "states" / f"r{idx}.safetensors"
+        states[idx] = write_states(path, prompt + out[:-1], seed=idx)
+        recs.append({"idx": idx, "id": f"s{idx}", "dataset": "B1", "prompt_ids": prompt,
+                     "output_ids": out, "states": str(path)})
+    shard = write_jsonl(tmp_path / "shard.jsonl", recs)
+    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                           dtype="bfloat16", device="cpu", max_length=16, backend="captured")
+
+    # When: the shard is extracted with the captured backend
+    with Extractor(cfg) as ex:
+        result = ex.run_shard(shard)
+
+    # Then: each file is its captured states, cut at 16, in bf16, with the record's loss mask
+    assert result.written == 2 and not result.failures and result.truncated == 1
+    for idx, n_prompt, kept in ((0, 3, 8), (1, 4, 16)):
+        got = torch.load(tmp_path / "hs" / f"rows_0-2000/data_{idx}.ckpt", weights_only=True)
+        assert got["input_ids"].tolist() == states[idx]["input_ids"][:kept].tolist()
+        assert got["loss_mask"].tolist() == [0] * n_prompt + [1] * (kept - n_prompt)
+        for key in ("aux_hidden_state", "hidden_state"):
+            assert got[key].dtype == torch.bfloat16 and got[key].shape[:2] == (1, kept)
+            assert torch.equal(got[key][0], states[idx][key][:kept].to(torch.bfloat16))
+
+
+def test_the_captured_backend_refuses_states_of_other_aux_layers(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"hidden_size": H, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}))
+    path = tmp_path / "s.safetensors"
+    write_states(path, [1, 2, 3, 4], aux_ids=[1, 2, 3])
+    shard = write_jsonl(tmp_path / "shard.jsonl", [{
+        "idx": 0, "id": "s0", "dataset": "B1", "prompt_ids": [1, 2], "output_ids": [3, 4, 5],
+        "states": str(path)}])
+    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                           dtype="float32", device="cpu", backend="captured")
+    with Extractor(cfg) as ex:
+        result = ex.run_shard(shard)
+    assert result.written == 0
+    assert "captured at aux layers [1, 2, 3]" in result.failures[0].reason
+
+
+def test_a_server_that_writes_no_states_never_gets_a_sample_counted(stack: Stack) -> None:
+    # Given: a worker with capture on against a vLLM-protocol server that answers but writes
+    # no file (the simulator: it ignores kv_transfer_params), one retry
+    from producers.producer import Producer
+
+    stack.start_simulator("--kind", "vllm", "--lengths", "fixed:20", "--decode-step-s", "0.001")
+    part = write_jsonl(stack.tmp / "partition" / "B1.jsonl",
+                       [{"id": f"s{i}", "prompt": f"hello {i}"} for i in range(3)])
+    settings = stack.configure(data_dir=str(part.parent), server_kind="vllm",
+                               capture_states=True, capture_timeout_s=5.0, max_retries=1,
+                               short_concurrency=3)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+
+    # When: the samples run
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: len(ledger.dead("B1")) == 3, 120, what="3 samples given up on")
+
+    # Then: each was tried twice (a new rid each time), none stored or counted
+    assert all("captured states" in why and "not written" in why
+               for why in ledger.dead("B1").values())
+    assert ledger.snapshot("B1")["tokens"] == 0
+    assert not list(iter_records(records_dir(settings.output_dir, "B1")))
+    starts = [e for e in stack.sim_log() if e["event"] == "start"]
+    assert len(starts) == 6 and len({e["rid"] for e in starts}) == 6
