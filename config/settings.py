@@ -54,7 +54,7 @@ class Settings:
     # from the server's /v1/models once per process
     server_kind: str = "sglang"  # what serves server_url: "sglang", "vllm" or "auto"
     # The vLLM server writes each sample's hidden states while it generates (launched with
-    # the arguments datagen.capture.server_args gives, DESIGN.md); the training folder is
+    # the arguments datagen.servers.capture.server_args gives, DESIGN.md); the training folder is
     # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.
     capture_states: bool = False  # states captured in the generation pass (vLLM only)
     capture_timeout_s: float = 600.0  # wait for a captured file after the answer

@@ -72,7 +72,7 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
     """How DESIGN.md says to launch vLLM for generation: ``--enable-scale-out`` (the
     token API), ``--skip-tokenizer-init`` (ids in and out: no tokenizer), float32 here so
     greedy outputs equal transformers'; ready when /health answers 200. ``extra_args``:
-    capture_states' (datagen.capture.server_args), whose connector the server imports
+    capture_states' (datagen.servers.capture.server_args), whose connector the server imports
     from this checkout."""
     from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB, LAUNCHER, repo_root
 

@@ -29,7 +29,7 @@ and written by the same threads. Everything else is vLLM's ``ExampleHiddenStates
 
 ``CaptureConnector`` (below) is the generation server's sibling for ``capture_states``: the
 same rows, norm and atomic write, for generate requests that name a file under
-``<output_dir>/states`` (datagen/capture.py).
+``<output_dir>/states`` (datagen/servers/capture.py).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class CaptureConnector(DatagenConnector):
     (or naming a file outside ``shared_storage_path``) is served and nothing is locked or
     written for it (vLLM's example connector writes every request somewhere); an aborted
     request's states are dropped (its lock released, no file); the file is safetensors
-    (datagen/capture.py reads its ids without torch) and has no loss mask, which the build
+    (datagen/servers/capture.py reads its ids without torch) and has no loss mask, which the build
     step derives from the record."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):

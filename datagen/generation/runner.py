@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from config.settings import Settings
-from datagen import capture
 from datagen.client import Generation, SGLangClient, backoff_s, new_rid
 from datagen.errors import (
     BadInput,
@@ -32,6 +31,7 @@ from datagen.generation.lease import Lease, LeaseBook
 from datagen.generation.ledger import REDIS_AWAY, Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter
 from datagen.generation.turns import Stopped, generate_turns
+from datagen.servers import capture
 
 log = logging.getLogger(__name__)
 

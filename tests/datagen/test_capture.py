@@ -15,13 +15,13 @@ from conftest import Stack, wait_until, write_jsonl
 from safetensors.torch import save_file
 
 from config.settings import Settings, SettingsError
-from datagen import capture
 from datagen.errors import CaptureFailed, ServerUnavailable
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import Rejected, prepare
 from datagen.generation.job import Prompt
 from datagen.generation.records import iter_records, records_dir
 from datagen.generation.runner import await_states
+from datagen.servers import capture
 from datagen.servers.base import Generation
 
 H, LAYERS, VOCAB = 8, 8, 100

@@ -3,7 +3,7 @@ states written in the generation pass, and SpecForge's folder built from them wi
 extraction forward pass.
 
 One server for the module (an engine start is 70-100 s on 2 cores), launched as
-tests/real_vllm/test_vllm_server.py launches it plus datagen.capture.server_args, on a tiny
+tests/real_vllm/test_vllm_server.py launches it plus datagen.servers.capture.server_args, on a tiny
 random Llama (8 layers, H=128) in float32 built here; its connector may write under one run
 folder's ``states/`` only, which every test here uses. The last test stops it before the
 `vllm` extraction backend starts its own engine (one engine at a time on this host).
@@ -32,12 +32,12 @@ from conftest import Stack, wait_until, write_jsonl
 from vllm_fixture import GenerationServer, start_generation_server, vllm_python
 
 from cli.stack import REPO, child_env
-from datagen import capture
 from datagen.client import SGLangClient, new_rid
 from datagen.extraction.backends.vllm import EngineOptions
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.generation.ledger import Ledger
 from datagen.generation.records import iter_records, records_dir
+from datagen.servers import capture
 from datagen.training.training_set import extraction_dir, read_manifest, training_dir
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.usefixtures("cpu_hog_module")]

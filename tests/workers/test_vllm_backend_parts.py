@@ -10,13 +10,13 @@ import torch
 
 from config.settings import SettingsError, load_settings
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
-from datagen.capture import vllm_capture
 from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.vllm import (
     engine_python,
     loss_spans,
     multimodal,
 )
+from datagen.servers.capture import vllm_capture
 from datagen.training.handoff import loss_mask
 
 

@@ -1,7 +1,7 @@
 """The `captured` backend: SpecForge's files from the states the generation server captured
 (``capture_states``), with no forward pass.
 
-Each shard line names the file its committed record names (datagen/capture.py: ``input_ids``
+Each shard line names the file its committed record names (datagen/servers/capture.py: ``input_ids``
 [L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last output id never
 an input and so not in it); files.prepare cut the sample to those ids and to
 ``train_max_length``. This backend reads the kept positions only (safetensors slices), checks

@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
-from datagen.capture import vllm_capture
 from datagen.errors import EngineLost
 from datagen.extraction.backends.base import set_shape, text_config
+from datagen.servers.capture import vllm_capture
 
 log = logging.getLogger(__name__)
 
