@@ -52,11 +52,13 @@ def pytest_configure(config: pytest.Config) -> None:
         launch("default")  # starts loading now; the tests that need it wait for /health
 
 
-# The tests that start vLLM engines (cpu_hog) run in one xdist process, one after another
-# (`make test` runs --dist loadgroup: two engines at once would not fit 2 cores), niced: on a
-# 2-core runner an engine start beside a test that asserts how soon something happens (the
-# chaos and net tests) delayed a fresh worker's heartbeat past a lease (CI, 2026-12-04). A
-# lock between the two kinds left one xdist process idle for minutes at a time instead.
+# The tests that start vLLM engines (cpu_hog) run niced: on a 2-core runner an engine start
+# beside a test that asserts how soon something happens (the chaos and net tests) delayed a
+# fresh worker's heartbeat past a lease (CI, 2026-12-04); a lock between the two kinds left
+# one xdist process idle for minutes at a time instead. They are also marked to run in one
+# xdist process (`make test` runs --dist loadgroup), but with pytest 9.2 and xdist 3.8 that
+# group is not applied (xdist renames `item._nodeid`, pytest 9 reads `item._id`): two engine
+# tests may run at once.
 ENGINE_GROUP = "engines"
 ENGINE_FIXTURES = {"cpu_hog", "cpu_hog_module"}
 ENGINE_NICE = 10
