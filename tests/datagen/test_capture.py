@@ -1,6 +1,6 @@
 """capture_states without a server: the file check, the lock wait, the settings, the server's
 arguments, the worker's wait, the shard rule and the `captured` backend (the real vLLM server:
-tests/real_vllm/test_capture.py)."""
+tests/real_vllm/test_capture_vllm.py)."""
 
 from __future__ import annotations
 
