@@ -55,20 +55,11 @@ def pytest_configure(config: pytest.Config) -> None:
 # The tests that start vLLM engines (cpu_hog) run niced: on a 2-core runner an engine start
 # beside a test that asserts how soon something happens (the chaos and net tests) delayed a
 # fresh worker's heartbeat past a lease (CI, 2026-12-04); a lock between the two kinds left
-# one xdist process idle for minutes at a time instead. They are also marked to run in one
-# xdist process (`make test` runs --dist loadgroup), but with pytest 9.2 and xdist 3.8 that
-# group is not applied (xdist renames `item._nodeid`, pytest 9 reads `item._id`): two engine
-# tests may run at once.
-ENGINE_GROUP = "engines"
-ENGINE_FIXTURES = {"cpu_hog", "cpu_hog_module"}
+# one xdist process idle for minutes at a time instead. `make test` runs `--dist loadscope`:
+# a module's tests stay in one xdist process, so a module that shares one engine among its
+# tests (cpu_hog_module) starts it once. (An xdist_group marker per engine is not applied
+# with pytest 9.2 and xdist 3.8: xdist renames `item._nodeid`, pytest 9 reads `item._id`.)
 ENGINE_NICE = 10
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

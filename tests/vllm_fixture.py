@@ -7,7 +7,8 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,21 +42,29 @@ class GenerationServer:
     log: Path
     max_model_len: int
 
-    def metric(self, name: str) -> float:
-        """A gauge or counter of its /metrics (summed over its labels)."""
-        text = requests.get(f"{self.url}/metrics", timeout=30).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") or line.startswith(name + " "))
-
-    def running(self) -> int:
-        """Requests in its batch as of its last engine step (a finished request leaves the
-        gauge only at the next step: not a sign that a new one arrived)."""
-        return int(self.metric("vllm:num_requests_running"))
-
     def added(self, rid: str) -> bool:
         """Whether it runs (or ran) the request sent with ``rid``: ``--enable-log-requests``
         logs "Added request generate-tokens-<rid>-<suffix>" once an abort can find it."""
         return f"Added request generate-tokens-{rid}" in self.log.read_text(errors="replace")
+
+    @contextmanager
+    def engine_frozen(self) -> Iterator[None]:
+        """The engine core (every process under the API server) stopped with SIGSTOP, the API
+        server left running: requests stay in flight however long the test takes, and what
+        the API server is sent (an abort) waits in the engine's queue until SIGCONT."""
+        import psutil
+
+        launcher = psutil.Process(self.proc.pid)
+        api = next(p for p in launcher.children() if "api_server" in " ".join(p.cmdline()))
+        engine = api.children(recursive=True)
+        assert engine, "the vLLM API server has no engine process"
+        for proc in engine:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for proc in engine:
+                proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

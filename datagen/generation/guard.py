@@ -3,11 +3,11 @@
 The Redis flag checked at task start (``admit.lua``) is what guarantees a closed
 dataset sends no new request, on any host, including workers that join later.
 Whoever sees a dataset close (the commit that reached the budget, an admission that
-found it over, ``datagen budget``) runs ``on_closed``: the close event, one stamped
-revoke so workers drop its queued tasks without even reading the flag (revokes are
-not persisted and miss workers that join later: the flag still holds), its pending
-payloads dropped, and with ``abort_on_close`` one ``/abort_request`` per request in
-flight, with its exact rid, to the server its ledger entry names. SGLang 0.5.23 (default
+found it over, ``datagen budget``) runs ``on_closed``: the close event; with
+``abort_on_close`` one ``/abort_request`` per request in flight, with its exact rid, to the
+server its ledger entry names; one stamped revoke so workers drop its queued tasks without
+even reading the flag (revokes are not persisted and miss workers that join later: the
+flag still holds); its pending payloads dropped. SGLang 0.5.23 (default
 ``--tokenizer-worker-num 1``) looks an abort's rid up exactly and drops one it does not
 run, so a rid prefix aborts nothing; the aborts go out side by side, from a thread pool.
 A request admitted just before the close may reach its server only after its abort
@@ -49,19 +49,24 @@ def enqueue(app: Celery, job: Job, producer: Any = None, retry: bool = False) ->
 
 def on_closed(app: Celery, ledger: Ledger, dataset: str, reason: str,
               abort_in_flight: bool = False) -> None:
-    """Everything that follows a close: revoke queued tasks, drop their pending payloads
-    (nothing redoes them: the sweep skips a closed dataset, a reopen enqueues anew),
-    optionally abort in flight."""
+    """Everything that follows a close: optionally abort in flight, revoke queued tasks,
+    drop their pending payloads (nothing redoes them: the sweep skips a closed dataset, a
+    reopen enqueues anew).
+
+    The aborts go first: each request in flight spends the server's tokens until it is
+    aborted, while a queued task cannot start once the flag is set. (Seen on a loaded
+    2-core runner: the revoke broadcast took longer than the requests had left to run, so
+    an abort sent after it found nothing in flight.)"""
     epoch = ledger.epoch(dataset)
     ledger.event(dataset, f"closed:{reason}")
+    if abort_in_flight:
+        abort_in_flight_requests(ledger, dataset)
     log.info("%s closed (%s): revoking its queued tasks", dataset, reason)
     try:
         app.control.revoke_by_stamped_headers({STAMP_HEADER: f"{dataset}#{epoch}"})
     except Exception as exc:  # the flag still holds; the revoke only saves time
         log.warning("stamped revoke for %s failed: %s", dataset, exc)
     ledger.drop_pending(dataset)
-    if abort_in_flight:
-        abort_in_flight_requests(ledger, dataset)
 
 
 def close(app: Celery, ledger: Ledger, dataset: str, reason: str,

@@ -130,15 +130,12 @@ def test_an_aborted_request_leaves_its_lock_released_and_no_file(
         vllm: GenerationServer, run_dir: Path) -> None:
     client, rid, out = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}
     path = capture.states_path(run_dir, "abort", rid)
-    made = vllm.metric("vllm:generation_tokens_total")
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(
         [1, 5, 6], {"max_new_tokens": 900, "ignore_eos": True}, rid,
         extra={"kv_transfer_params": capture.request_params(path)})), daemon=True)
     thread.start()
     wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to run")
-    wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 50, 120, 0.05,
-               what="it to decode 50 tokens")
-    client.abort(rid)
+    client.abort(rid)  # at once: a wait for tokens let a request end first on a loaded runner
     thread.join(60)
     assert out["gen"].aborted
     assert capture.wait_released(path, 60)

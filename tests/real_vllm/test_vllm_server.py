@@ -11,11 +11,11 @@ here (nothing downloaded). What is checked:
   prompt too long for the server is a BadRequest with vLLM's own text, the limits read
   from it, the kind detected from it;
 - a real Celery worker run end to end on it (``datagen run``): every sample stored once,
-  the ledger's tokens the sum of the records' completion tokens; and an operator's close
-  with abort_on_close: vLLM aborts each request in flight by its id (measured: 4 of 4, none
-  ran on, all ended 0.12 s after the close); a worker SIGKILLed mid-request, then the other
-  too and a restart: the killed requests end on vLLM, each sample runs once more only where
-  reaped, and is counted once.
+  the ledger's tokens the sum of the records' completion tokens; an operator's close with
+  abort_on_close, the engine frozen (SIGSTOP) while it comes so the requests are surely in
+  flight: vLLM aborts each of the 4 by its id and none runs on; a worker SIGKILLed
+  mid-request and a restart: the killed requests end on vLLM, each sample runs once more
+  only where reaped, and is counted once.
 
 Where .venv-vllm is missing the tests skip with the reason (`make vllm-env`); under CI=true
 they fail instead.
@@ -349,14 +349,13 @@ def test_finish_reasons_in_sglang_s_shape(vllm: GenerationServer) -> None:
 
 
 def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> None:
+    # (aborted once vLLM runs it: a wait for N tokens through /metrics let the whole request
+    # finish first on a loaded 2-core runner, 4,000 tokens in 12.5 s)
     client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, 4000
-    made = vllm.metric("vllm:generation_tokens_total")
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(
         [1, 5, 6], {"max_new_tokens": cap, "ignore_eos": True}, rid)), daemon=True)
     thread.start()
     wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to run")
-    wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 100, 120, 0.05,
-               what="it to decode 100 tokens")
     asked = time.monotonic()
     client.abort(rid)
     thread.join(60)
@@ -364,7 +363,7 @@ def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> No
     gen = out["gen"]
     print(f"FIGURE abort answered after {answered_s:.3f} s, {gen.completion_tokens} tokens")
     assert gen.aborted and gen.finish_reason == {"type": "abort", "message": "Aborted"}
-    assert 100 <= len(gen.output_ids) == gen.completion_tokens < cap
+    assert len(gen.output_ids) == gen.completion_tokens < cap
     # the engine was told: its own log names the request it aborted
     assert f"Aborted request(s) generate-tokens-{rid}" in vllm.log.read_text(errors="replace")
 
@@ -422,65 +421,68 @@ def test_a_worker_run_on_vllm_stores_each_sample_once_and_counts_its_tokens(
     print("FIGURE records:", json.dumps({r["id"]: r["completion_tokens"] for r in recs}))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open defect (stop 32): in 2 of 4 runs on 2 cores no abort of the close reached vLLM "
-    "(no POST /inference/v1/abort_requests in its log; 1 and then 4 of 4 requests ran on to "
-    "their caps); passed in the other two, 4 of 4 aborted 0.12 s after the close"))
 def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
-    # Given: a worker with 4 requests in flight on the real server, each capped far past
-    # what it makes before the close (3,000 tokens), abort_on_close on
+    # Given: a worker with 4 requests running on the real server (capped at 3,000 tokens),
+    # abort_on_close on, and vLLM's engine frozen: however slow this machine, the 4 are
+    # still in flight when the close comes. (Unfrozen, a loaded 2-core runner let them end
+    # before the close's aborts were sent: the test then measured the machine.)
     from datagen.generation import guard
     from producers.producer import Producer
 
+    dataset = "B2_close"
     part = stack.tmp / "partition"
-    write_jsonl(part / "B2_close.jsonl",
+    write_jsonl(part / f"{dataset}.jsonl",
                 [{"id": f"c{i}", "prompt": f"Tell me about topic {i}"} for i in range(8)])
     settings = stack.configure(
         server_url=vllm.url, server_kind="vllm", data_dir=str(part),
         tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
         short_concurrency=4, short_max_tokens=3000, abort_on_close=True,
-        precise_admission=False, read_timeout_s=600.0)
+        precise_admission=False, read_timeout_s=600.0, lease_s=60.0)
     stack.worker("short")
     stack.wait_workers(1)
-    ledger = stack.ledger()
-    Producer(settings, stack.app(), ledger).run()
-    wait_until(lambda: len(ledger.in_flight("B2_close")) == 4 and all(
-        vllm.added(e["rid"]) for e in ledger.in_flight("B2_close").values()), 120, 0.05,
+    ledger, app = stack.ledger(), stack.app()
+    Producer(settings, app, ledger).run()
+    wait_until(lambda: len(ledger.in_flight(dataset)) == 4 and all(
+        vllm.added(e["rid"]) for e in ledger.in_flight(dataset).values()), 120, 0.05,
         what="4 requests running on vLLM")
-    rids = {e["rid"] for e in ledger.in_flight("B2_close").values()}
 
-    # When: an operator closes the dataset
+    # When: an operator closes the dataset while they run
+    with vllm.engine_frozen():
+        rids = {e["rid"] for e in ledger.in_flight(dataset).values()}
+        assert len(rids) == 4, "a request ended before the engine was frozen"
+        assert guard.close(app, ledger, dataset, "operator", abort_in_flight=True)
+        wait_until(lambda: aborted(vllm, rids) == rids, 60, 0.1,
+                   what="vLLM's API server to take the 4 aborts")
     closed = time.monotonic()
-    assert guard.close(stack.app(), ledger, "B2_close", "operator", abort_in_flight=True)
-    wait_until(lambda: ledger.snapshot("B2_close")["in_flight"] == 0, 120, 0.05,
+    wait_until(lambda: ledger.snapshot(dataset)["in_flight"] == 0, 120, 0.05,
                what="the requests in flight to end")
     ended_s = time.monotonic() - closed
 
-    # Then: vLLM aborted each of the 4 by its id (its log line may come after the answer
-    # reached the worker: waited for, a request that ran on never logs one); none ran on to
-    # its cap, none was stored or counted, and nothing more started
-    def aborted() -> set[str]:
-        log = vllm.log.read_text(errors="replace")
-        return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
-    try:
-        wait_until(lambda: aborted() == rids, 60, 0.2, what="vLLM to log the 4 aborts")
-    except AssertionError:
-        pass  # reported below, with what ran on
+    # Then: vLLM aborted each of the 4 by its id and the worker had 4 aborted answers (none ran
+    # on to its cap); none was stored or counted, and nothing more started
+    print(f"FIGURE close on vLLM: 4 in flight, 4 aborted, all ended {ended_s:.2f} s after "
+          "the engine went on")
+    worker_log = "".join(f.read_text(errors="replace")
+                         for f in (stack.tmp / "logs").glob("worker-short-*.log"))
+    assert worker_log.count("'discarded'") == 4
+    assert not list(iter_records(records_dir(settings.output_dir, dataset)))
+    snap = ledger.snapshot(dataset)
+    assert snap["tokens"] == 0 and int(snap["stats"].get("discarded_tokens", 0)) < 4 * 3000
     log = vllm.log.read_text(errors="replace")
-    run_on = rids - aborted()
-    print(f"FIGURE close on vLLM: {len(rids)} in flight, {len(run_on)} ran on, all ended "
-          f"{ended_s:.2f} s after the close")
-    assert not run_on
-    assert not list(iter_records(records_dir(settings.output_dir, "B2_close")))
-    assert ledger.snapshot("B2_close")["tokens"] == 0
-    prefix = f"Added request generate-tokens-{rid_prefix('B2_close')}"
+    prefix = f"Added request generate-tokens-{rid_prefix(dataset)}"
     assert log.count(prefix) == len(rids)  # each once, and none after the close
+
+
+def aborted(vllm: GenerationServer, rids: set[str]) -> set[str]:
+    """The rids vLLM's log says it aborted (a request that ran on never logs one)."""
+    log = vllm.log.read_text(errors="replace")
+    return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
 
 
 def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
-    # Given: two workers of 2 threads on the real server, 32 prompts each decoding to its cap
+    # Given: a worker of 2 threads on the real server, 32 prompts each decoding to its cap
     # of 160 tokens (greedy, ignore_eos), lease 6 s
     from producers.producer import Producer
 
@@ -493,26 +495,23 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
         tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
         short_concurrency=2, short_max_tokens=160, lease_s=6.0, read_timeout_s=600.0)
     victim = stack.worker("short", name="victim@%h")
-    survivor = stack.worker("short", name="survivor@%h")
-    stack.wait_workers(2)
+    stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
 
-    def of(proc: Any) -> dict[str, str]:
-        return {s: e["rid"] for s, e in ledger.in_flight(dataset).items()
-                if f"-{proc.pid}-" in str(e["worker"])}
-    wait_until(lambda: len(of(victim)) == 2 and all(vllm.added(r) for r in of(victim).values()),
-               300, 0.05, what="the victim's 2 requests running on vLLM")
+    def held() -> dict[str, str]:
+        return {s: e["rid"] for s, e in ledger.in_flight(dataset).items()}
 
-    # When: the victim is SIGKILLed mid-request; once its samples are stored by the survivor,
-    # the survivor is SIGKILLed too, and a new worker with `datagen run` restarts the run
-    lost = of(victim)
+    # When: the worker is SIGKILLed with 2 requests running on vLLM and some samples done
+    # (both hold from its third sample to its last but two: events, not a time window);
+    # a new worker and `datagen run` then restart the run, and its reaper finds the leases
+    wait_until(lambda: len(ledger.committed(dataset)) >= 2 and len(held()) == 2
+               and all(vllm.added(r) for r in held().values()),
+               300, 0.05, what="2 samples done and 2 requests running on vLLM")
     victim.kill()
-    wait_until(lambda: set(lost) <= set(ledger.committed(dataset)), 300, 0.2,
-               what="the victim's samples stored by the survivor")
-    survivor.kill()
+    lost = held()
     done_at_restart = set(ledger.committed(dataset))
-    assert len(done_at_restart) < 32, "the survivor finished the run: no restart to resume"
+    assert len(lost) == 2 and 2 <= len(done_at_restart) < 32
     stack.worker("short", name="fresh@%h")
     result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
                             cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
@@ -521,22 +520,26 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
 
     # Then: each sample stored once and counted once at its full length; the killed
     # requests ended on vLLM (aborted by their ids, not run on to their caps); every request
-    # vLLM ran is a counted one or a reaped one (nothing done before the restart ran again)
-    # (a record the survivor stored but had not counted when it was killed is stored again
-    # by its re-run: the merge keeps the counted one)
+    # vLLM ran is a counted one or a reaped one (nothing done before the restart ran again).
+    # (A request the worker had admitted but not yet sent when it died never reached vLLM.)
     merged = merge_dataset(settings.output_dir, dataset, ledger.committed(dataset))
+    # (a record stored but not yet counted when the worker died is stored again by its re-run:
+    # the merge keeps the counted one)
     assert merged.records == 32
     assert len({json.loads(x)["id"] for x in Path(merged.path).read_text().splitlines()}) == 32
     committed = {s: v.split(" ")[0] for s, v in ledger.committed(dataset).items()}
     assert all(committed[s] != rid for s, rid in lost.items())
     snap = ledger.snapshot(dataset)
     assert snap["tokens"] == 32 * 160
+    ran = [rid for rid in lost.values() if vllm.added(rid)]
+    assert ran, "the kill found no request of the worker running on vLLM"
     log = vllm.log.read_text(errors="replace")
-    assert all(f"Aborted request(s) generate-tokens-{rid}" in log for rid in lost.values())
+    assert all(f"Aborted request(s) generate-tokens-{rid}" in log for rid in ran)
     reaped = int(snap["stats"].get("reaped", 0))
     assert reaped >= len(lost)
-    assert log.count(f"Added request generate-tokens-{rid_prefix(dataset)}") == 32 + reaped
-    print(f"FIGURE kill on vLLM: {len(lost)} killed requests aborted on the server, "
+    sent = log.count(f"Added request generate-tokens-{rid_prefix(dataset)}")
+    assert 32 + len(ran) <= sent <= 32 + reaped
+    print(f"FIGURE kill on vLLM: {len(ran)} killed requests aborted on the server, "
           f"{reaped} reaped in all, {len(done_at_restart)} of 32 done at the restart, "
           "32 counted once")
 
