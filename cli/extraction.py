@@ -32,6 +32,7 @@ from datagen.generation.committed import Committed
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.generation.records import canonical, iter_records, loss_spans, records_dir
+from datagen.servers import capture
 from datagen.training import draft_config, handoff, training_set
 
 EXIT_INCOMPLETE = 3  # something was dead-lettered (as `produce` does for bad input)
@@ -43,10 +44,28 @@ def _ledger(settings: Settings) -> Ledger:
 
 
 def cmd_prepare(settings: Settings, args: argparse.Namespace) -> int:
-    tset = training_set.prepare(settings, committed_maps(settings), decoder(settings),
-                                force=args.force)
+    committed = committed_maps(settings)
+    tset = training_set.prepare(settings, committed, decoder(settings), force=args.force)
     print(training_set.render(tset))
+    if isinstance(committed, CommittedMaps):
+        prune_lost_states(committed.ledger, list(committed))
+    elif (Path(settings.output_dir) / capture.STATES_DIR).is_dir():
+        print("captured states of lost attempts kept: without the ledger, which are lost "
+              "is not known")
     return 0
+
+
+def prune_lost_states(ledger: Ledger, datasets: Sequence[str]) -> None:
+    """Delete the state files no counted record names and no request in flight will
+    (capture_states: attempts that finished on their server after they were lost)."""
+    def kept(dataset: str) -> Callable[[], set[str]]:
+        return lambda: ({v.split(" ", 1)[0] for v in ledger.committed(dataset).values()}
+                        | {str(e.get("rid")) for e in ledger.in_flight(dataset).values()})
+    for dataset in datasets:
+        files, size = capture.prune(ledger.settings.output_dir, dataset, kept(dataset))
+        if files:
+            print(f"{dataset}: deleted {files} captured state files of lost attempts "
+                  f"({size / 1e6:,.1f} MB)")
 
 
 class CommittedMaps(Mapping[str, Committed | None]):
@@ -54,12 +73,12 @@ class CommittedMaps(Mapping[str, Committed | None]):
     Redis when asked: merge and prepare take one dataset at a time, so one is held."""
 
     def __init__(self, ledger: Ledger, datasets: list[str]):
-        self._ledger, self._datasets = ledger, datasets
+        self.ledger, self._datasets = ledger, datasets
 
     def __getitem__(self, dataset: str) -> Committed | None:
         if dataset not in self._datasets:
             raise KeyError(dataset)
-        return self._ledger.committed_index(dataset)
+        return self.ledger.committed_index(dataset)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._datasets)

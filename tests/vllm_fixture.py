@@ -42,6 +42,12 @@ class GenerationServer:
     log: Path
     max_model_len: int
 
+    def metric(self, name: str) -> float:
+        """A gauge or counter of its /metrics (summed over its labels)."""
+        text = requests.get(f"{self.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
     def added(self, rid: str) -> bool:
         """Whether it runs (or ran) the request sent with ``rid``: ``--enable-log-requests``
         logs "Added request generate-tokens-<rid>-<suffix>" once an abort can find it."""
@@ -94,7 +100,10 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
            "--dtype", "float32", "--max-model-len", str(max_model_len),
            "--skip-tokenizer-init", "--enable-scale-out", "--enforce-eager",
            "--enable-log-requests", "--max-log-len", "8", *extra_args]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB,
+    # PYTHONUNBUFFERED: vLLM's log lines reach a file only when its stdout buffer fills
+    # otherwise (measured: "Added request" of a 3,000-token request 8.6 s late, as it
+    # ended), and the tests synchronize on them
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (repo_root(), os.environ.get("PYTHONPATH"))
                                           if p))
     log.parent.mkdir(parents=True, exist_ok=True)

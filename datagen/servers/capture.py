@@ -28,7 +28,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -165,6 +165,58 @@ def check_file(path: Path, ids: Sequence[int]) -> int:
         raise CaptureMismatch(f"{path.name}: token {first} is {stored[first]}, the sample's "
                               f"is {ids[first]}")
     return head.size
+
+
+def attempt_rid(name: str) -> str | None:
+    """The rid of a file the connector or the worker leaves under ``states/<dataset>``: the
+    states (``<rid>.safetensors``), their lock (``.lock`` after it) or a write's temporary
+    (``.<rid>.safetensors`` and a mark after it); None for a name of another kind."""
+    stem, found, _ = name.lstrip(".").partition(SUFFIX)
+    return stem if found and stem else None
+
+
+def _writing(path: Path) -> bool:
+    """Whether the connector holds the lock of the attempt ``path`` belongs to."""
+    rid = attempt_rid(path.name)
+    try:
+        fd = os.open(path.parent / f"{rid}{SUFFIX}.lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def prune(output_dir: str | Path, dataset: str, kept: Callable[[], set[str]]
+          ) -> tuple[int, int]:
+    """Delete the files of the dataset's lost attempts; returns (files, bytes) deleted.
+
+    A lost attempt is one no counted record names and that is not in flight: reaped or timed
+    out but finished on its server anyway, the losing copy of a duplicate, cut by a server
+    killed mid-write. ``kept`` gives the rids to keep (the ledger's committed and in-flight
+    rids) and is called after the folder is listed: a commit needs its attempt's in-flight
+    entry, so an attempt listed here is either kept then or never counted. Files whose lock
+    the connector holds are left alone (a write still going on)."""
+    folder = Path(output_dir).resolve() / STATES_DIR / dataset
+    if not folder.is_dir():
+        return 0, 0
+    listed = [p for p in folder.iterdir() if attempt_rid(p.name)]
+    keep = kept()
+    files = size = 0
+    for path in listed:
+        if attempt_rid(path.name) in keep or _writing(path):
+            continue
+        try:
+            gone = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        files, size = files + 1, size + gone
+    return files, size
 
 
 def remove(path: Path) -> None:

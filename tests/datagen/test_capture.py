@@ -223,3 +223,45 @@ def test_a_server_that_writes_no_states_never_gets_a_sample_counted(stack: Stack
     assert not list(iter_records(records_dir(settings.output_dir, "B1")))
     starts = [e for e in stack.sim_log() if e["event"] == "start"]
     assert len(starts) == 6 and len({e["rid"] for e in starts}) == 6
+
+
+def test_prune_deletes_only_the_files_of_lost_attempts(tmp_path: Path) -> None:
+    # Given: a dataset's states folder with a counted attempt (file and lock), one in flight
+    # (its write going on: lock held), a lost one (file, lock), the temporary of a write cut
+    # by a killed server, and a lost attempt whose lock the connector still holds
+    folder = tmp_path / capture.STATES_DIR / "B1"
+    def made(rid: str, *names: str) -> None:
+        for name in names:
+            (folder / name.format(rid=rid)).write_bytes(b"x" * 10)
+    folder.mkdir(parents=True)
+    made("counted", "{rid}.safetensors", "{rid}.safetensors.lock")
+    made("flying", "{rid}.safetensors.lock", ".{rid}.safetensors.tmp-1-2")
+    made("lost", "{rid}.safetensors", "{rid}.safetensors.lock")
+    made("cut", ".{rid}.safetensors.tmp-7-8")
+    made("writing", "{rid}.safetensors.lock", ".{rid}.safetensors.tmp-3-4")
+    (folder / "notes.txt").write_text("not an attempt's")
+    held = os.open(folder / "writing.safetensors.lock", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    asked = []
+
+    # When: pruned, the rids to keep read after the listing
+    def kept() -> set[str]:
+        asked.append(sorted(p.name for p in folder.iterdir()))
+        made("late", "{rid}.safetensors")  # an attempt that started after the listing
+        return {"counted", "flying"}
+    try:
+        files, size = capture.prune(tmp_path, "B1", kept)
+    finally:
+        os.close(held)
+
+    # Then: the lost attempt's file and lock and the cut write's temporary are gone; the
+    # counted, the in-flight, the locked one, the late one and other files stay
+    assert (files, size) == (3, 30) and len(asked) == 1
+    assert sorted(p.name for p in folder.iterdir()) == sorted([
+        "counted.safetensors", "counted.safetensors.lock", "flying.safetensors.lock",
+        ".flying.safetensors.tmp-1-2", "writing.safetensors.lock",
+        ".writing.safetensors.tmp-3-4", "late.safetensors", "notes.txt"])
+    assert capture.prune(tmp_path, "B2", kept) == (0, 0)  # no folder: nothing to do
+    assert [capture.attempt_rid(n) for n in ("a.safetensors", "a.safetensors.lock",
+                                             ".a.safetensors.tmp-1-2", "notes.txt")] == [
+        "a", "a", "a", None]

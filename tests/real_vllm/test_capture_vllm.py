@@ -135,7 +135,7 @@ def test_an_aborted_request_leaves_its_lock_released_and_no_file(
         extra={"kv_transfer_params": capture.request_params(path)})), daemon=True)
     thread.start()
     wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to run")
-    client.abort(rid)  # at once: a wait for tokens let a request end first on a loaded runner
+    client.abort(rid)  # at once: the request must still run
     thread.join(60)
     assert out["gen"].aborted
     assert capture.wait_released(path, 60)
@@ -185,11 +185,16 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     assert not list((run_dir / "states" / "B1_cap").glob("*.lock"))  # the workers removed them
     ledger = Ledger.from_settings(settings)
     assert ledger.snapshot("B1_cap")["tokens"] == sum(r["completion_tokens"] for r in recs)
-    # an orphan (an attempt no record names) in the run's states folder is never read
+    # a lost attempt's file (no record names it, nothing in flight) in the states folder
     orphan = run_dir / "states" / "B1_cap" / "orphan.safetensors"
     orphan.write_bytes(b"not states")
 
     assert datagen(monkeypatch, stack, "prepare") == 0
+    # prepare deleted it, and only it
+    assert "B1_cap: deleted 1 captured state files of lost attempts" in capsys.readouterr().out
+    assert not orphan.exists()
+    assert sorted(p.name for p in (run_dir / "states" / "B1_cap").iterdir()) == sorted(
+        f"{r['rid']}.safetensors" for r in recs)
     stack.worker("gpu")
     stack.wait_workers(2)
     started = time.monotonic()

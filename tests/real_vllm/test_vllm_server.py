@@ -349,21 +349,27 @@ def test_finish_reasons_in_sglang_s_shape(vllm: GenerationServer) -> None:
 
 
 def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> None:
-    # (aborted once vLLM runs it: a wait for N tokens through /metrics let the whole request
-    # finish first on a loaded 2-core runner, 4,000 tokens in 12.5 s)
+    # (the abort is sent with the engine frozen once the request made 100 tokens: it is
+    # surely mid-decode then, however slow the machine)
     client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, 4000
+    made = vllm.metric("vllm:generation_tokens_total")
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(
         [1, 5, 6], {"max_new_tokens": cap, "ignore_eos": True}, rid)), daemon=True)
     thread.start()
     wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to run")
+    wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 100, 120, 0.05,
+               what="it to decode 100 tokens")
+    with vllm.engine_frozen():
+        client.abort(rid)
+        wait_until(lambda: aborted(vllm, {rid}), 60, 0.05, what="vLLM to take the abort")
     asked = time.monotonic()
-    client.abort(rid)
     thread.join(60)
     answered_s = time.monotonic() - asked
     gen = out["gen"]
-    print(f"FIGURE abort answered after {answered_s:.3f} s, {gen.completion_tokens} tokens")
+    print(f"FIGURE abort answered {answered_s:.3f} s after the engine went on, "
+          f"{gen.completion_tokens} tokens")
     assert gen.aborted and gen.finish_reason == {"type": "abort", "message": "Aborted"}
-    assert len(gen.output_ids) == gen.completion_tokens < cap
+    assert 100 <= len(gen.output_ids) == gen.completion_tokens < cap
     # the engine was told: its own log names the request it aborted
     assert f"Aborted request(s) generate-tokens-{rid}" in vllm.log.read_text(errors="replace")
 

@@ -157,6 +157,7 @@ class VLLMServer:
         # vLLM's CPU build otherwise reserves 92% of the host's memory for its KV cache and
         # refuses to start beside anything else; GPU builds ignore the variable
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # log lines as they come, not in blocks
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH"))
                                             if p)
         log.info("starting vLLM (%s, TP %d) for %s; log: %s", python, opts.tensor_parallel,
