@@ -265,3 +265,66 @@ def test_prune_deletes_only_the_files_of_lost_attempts(tmp_path: Path) -> None:
     assert [capture.attempt_rid(n) for n in ("a.safetensors", "a.safetensors.lock",
                                              ".a.safetensors.tmp-1-2", "notes.txt")] == [
         "a", "a", "a", None]
+
+
+# The connector's write (CaptureConnector._write_sample runs inside vLLM; vLLM is not in this
+# environment): the lock taken before the answer, save_atomic with safetensors, the lock
+# closed. Here the writer stops for good inside save_atomic, after its temporary is written
+# and before the rename, until it is SIGKILLed: a server killed mid-write.
+MID_WRITE = r"""
+import fcntl, os, sys, time, torch
+from pathlib import Path
+from safetensors.torch import save_file
+from datagen.extraction import files
+path = Path(sys.argv[1])
+lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+fcntl.flock(lock, fcntl.LOCK_EX)
+def stuck(_path, flags=os.O_RDONLY):
+    print("written", flush=True)
+    time.sleep(3600)
+files._fsync = stuck
+ids = torch.tensor([1, 2, 3, 40, 41], dtype=torch.int64)
+files.save_atomic(path, {"input_ids": ids, "aux_hidden_state": torch.zeros(5, 24),
+                         "hidden_state": torch.zeros(5, 8)},
+                  save=lambda tensors, p: save_file(tensors, str(p)))
+"""
+
+
+def test_a_server_killed_mid_write_leaves_no_file_a_sample_could_be_counted_with(
+        tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from cli.stack import REPO
+
+    # Given: the server's writer stopped between its write and its rename
+    path = capture.states_path(tmp_path, "B1", "r1")
+    path.parent.mkdir(parents=True)
+    child = subprocess.Popen([sys.executable, "-c", MID_WRITE, str(path)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "written"
+        temps = [p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}")]
+        assert len(temps) == 1 and temps[0].stat().st_size > 0 and not path.exists()
+        assert not capture.wait_released(path, 0.05)  # the write holds the lock
+    finally:
+        # When: it is killed
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+
+    # Then: the lock went with it, no file stands under the attempt's name, the worker's
+    # wait ends in a retryable CaptureFailed (a new rid, a new file: never this one), and
+    # prepare's prune deletes what the write left
+    settings = Settings(output_dir=str(tmp_path), capture_states=True, server_kind="vllm",
+                        capture_timeout_s=5.0)
+    assert capture.wait_released(path, 5.0)
+    with pytest.raises(CaptureFailed) as err:
+        await_states(settings, path, Prompt("s", "B1", [], [1, 2, 3]), gen([40, 41, 42]))
+    assert isinstance(err.value, ServerUnavailable)
+    assert not path.exists()
+    left = sorted(p.name for p in path.parent.iterdir())
+    assert left == sorted([temps[0].name, f"{path.name}.lock"])
+    size = temps[0].stat().st_size
+    assert capture.prune(tmp_path, "B1", set) == (2, size)
+    assert not list(path.parent.iterdir())
