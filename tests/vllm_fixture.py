@@ -7,10 +7,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -126,3 +129,29 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
         server.stop()
         raise
     return server
+
+
+def configure_on(stack: Any, server: GenerationServer, tokenizer: Path, dataset: str,
+                 prompts: Sequence[tuple[str, str]], **settings: Any) -> Any:
+    """A partition of one dataset (``(id, prompt)`` rows) and the stack's settings for
+    generation on ``server`` (server_kind vllm, the model's own tokenizer), ``settings``
+    besides; returns the Settings."""
+    from conftest import write_jsonl
+
+    part = stack.tmp / "partition"
+    write_jsonl(part / f"{dataset}.jsonl", [{"id": i, "prompt": p} for i, p in prompts])
+    return stack.configure(server_url=server.url, server_kind="vllm", data_dir=str(part),
+                           tokenizer_path=str(tokenizer), **settings)
+
+
+def datagen_run(stack: Any, timeout_s: float = 900) -> float:
+    """`datagen run` (produce, then follow to the end) in a process of its own with the
+    stack's settings; asserts it ended well and returns its seconds."""
+    from cli.stack import child_env
+
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
+                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
+                            timeout=timeout_s)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return time.monotonic() - started

@@ -88,6 +88,13 @@ class Fleet:
         self.worker("w2", short_concurrency="8")
         wait_until(lambda: " ready." in self.procs["w2"].log_text(), 600, what="w2 up again")
 
+    def wait_w1_running_two(self) -> None:
+        """Until both of w1's requests run on the server (a request still on its way when a
+        cut begins arrives after the heal and runs although its sample ran elsewhere,
+        RELIABILITY.md "Across hosts")."""
+        wait_until(lambda: self.running_on_server("w1", 2), 600,
+                   what="w1 with 2 requests running on the server")
+
     def in_flight_of(self, host: str) -> dict[str, str]:
         """Sample -> rid of the requests the worker on ``host`` has in flight."""
         pid = self.procs[host].pid
@@ -251,10 +258,7 @@ def test_a_worker_cut_from_its_server_only_has_its_requests_run_elsewhere_in_tim
     fleet.roomy_w2()
     run = fleet.run()
     ledger = fleet.ledger()
-    # (running on the server: a request still on its way when the cut begins arrives after the
-    # heal and runs although its sample ran elsewhere, RELIABILITY.md "Across hosts")
-    wait_until(lambda: fleet.running_on_server("w1", 2), 600,
-               what="w1 with 2 requests running on the server")
+    fleet.wait_w1_running_two()
 
     # When: w1 can reach Redis but not the server (its requests hang, nothing resets)
     lost = fleet.in_flight_of("w1")
@@ -297,8 +301,7 @@ def test_a_worker_cut_from_everything_for_two_leases_with_no_follower(fleet: Fle
         sys.executable, "-m", "cli.main", "produce"], child_env(fleet.env))
     assert fleet.wait_exit(produced) == 0, produced.log_text()[-3000:]
     ledger = fleet.ledger()
-    wait_until(lambda: fleet.running_on_server("w1", 2), 600,
-               what="w1 with 2 requests running on the server")
+    fleet.wait_w1_running_two()
 
     # When: w1's host is cut from every other host for two leases
     lost = fleet.in_flight_of("w1")
@@ -329,8 +332,7 @@ def test_a_worker_cut_from_redis_for_two_leases_has_its_requests_run_elsewhere_i
     # requests, lease 6 s, both of w1's requests running on the server
     fleet.roomy_w2()
     run = fleet.run()
-    wait_until(lambda: fleet.running_on_server("w1", 2), 600,
-               what="w1 with 2 requests running on the server")
+    fleet.wait_w1_running_two()
 
     # When: w1 cannot reach Redis for two leases (its requests finish on the server meanwhile,
     # their commits waiting for Redis)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import requests
 from conftest import REAL_CONTEXT_LENGTH, wait_until
 from sglang_fixture import RealServer
+from side_by_side import both, prompt, rid_of, sim_started
 
 from cli import sglang
 from cli.stack import start_simulator
@@ -61,13 +61,6 @@ class Target:
         return requests.post(f"{self.url}/generate", json=body, timeout=TIMEOUT)
 
 
-def _sim_received(url: str) -> Callable[[str], bool]:
-    def received(rid: str) -> bool:
-        log = requests.get(f"{url}/_sim/log", timeout=30).json()
-        return any(r["event"] == "start" and r["rid"] == rid for r in log)
-    return received
-
-
 def sim_args(context_length: int | None) -> list[str]:
     # Random weights rarely emit EOS, so the real server's answers run to max_new_tokens;
     # the simulator's do the same with a natural length past every cap used here.
@@ -94,21 +87,7 @@ def sim(sim_dir: Path) -> Iterator[str]:
 def pair(real_sglang_context: RealServer, sim: str) -> list[Target]:
     return [Target("sglang", real_sglang_context.url,
                    lambda rid: real_sglang_context.logged("request.received", rid)),
-            Target("simulator", sim, _sim_received(sim))]
-
-
-def both(pair: list[Target], scenario: Callable[[Target], Any]) -> tuple[Any, Any]:
-    """The scenario's observation on the real server and on the simulator."""
-    real, simulated = (scenario(target) for target in pair)
-    return real, simulated
-
-
-def prompt(length: int) -> list[int]:
-    return [1] + [5] * (length - 1)
-
-
-def rid_of(name: str) -> str:
-    return f"cmp-{name}-{uuid.uuid4().hex[:8]}"
+            Target("simulator", sim, sim_started(sim))]
 
 
 def answer(resp: requests.Response, rid: str = "") -> tuple[int, Any]:

@@ -18,8 +18,6 @@ folder built by the `captured` backend in 5.4 s.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,9 +27,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import Stack, wait_until, write_jsonl
-from vllm_fixture import GenerationServer, start_generation_server, vllm_python
+from vllm_fixture import (
+    GenerationServer,
+    configure_on,
+    datagen_run,
+    start_generation_server,
+    vllm_python,
+)
 
-from cli.stack import REPO, child_env
 from datagen.client import SGLangClient, new_rid
 from datagen.extraction.backends.vllm import EngineOptions
 from datagen.extraction.extractor import ExtractionConfig, Extractor
@@ -156,12 +159,9 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     # Given: a short worker on the capture server, 12 prompts, greedy, capture on, and the
     # training folder to be built by the `captured` backend (float32, as the server runs)
-    part = stack.tmp / "partition"
-    write_jsonl(part / "B1_cap.jsonl",
-                [{"id": f"s{i}", "prompt": f"Say hello number {i}"} for i in range(12)])
-    settings = stack.configure(
-        server_url=vllm.url, server_kind="vllm", capture_states=True, output_dir=str(run_dir),
-        data_dir=str(part), tokenizer_path=str(model), model_path=str(model),
+    settings = configure_on(
+        stack, vllm, model, "B1_cap", [(f"s{i}", f"Say hello number {i}") for i in range(12)],
+        capture_states=True, output_dir=str(run_dir), model_path=str(model),
         sampling_params={"temperature": 0}, short_concurrency=4, short_max_tokens=40,
         read_timeout_s=600.0, extract_backend="captured", extract_dtype="float32",
         train_max_length=48, shard_samples=6, aux_layer_ids=list(AUX))
@@ -169,12 +169,7 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     stack.wait_workers(1)
 
     # When: `datagen run` generates, then prepare and extract build the folder
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
-                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
-                            timeout=900)
-    run_s = time.monotonic() - started
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_s = datagen_run(stack)
     recs = list(iter_records(records_dir(settings.output_dir, "B1_cap")))
     assert sorted(r["id"] for r in recs) == sorted(f"s{i}" for i in range(12))
     for rec in recs:  # every counted sample names its checked file

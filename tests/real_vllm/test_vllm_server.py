@@ -24,11 +24,8 @@ they fail instead.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +33,17 @@ from typing import Any
 
 import pytest
 import requests
-from conftest import Stack, wait_until, write_jsonl
-from vllm_fixture import GenerationServer, start_generation_server, vllm_python
+from conftest import Stack, wait_until
+from side_by_side import both, prompt, rid_of, sim_started
+from vllm_fixture import (
+    GenerationServer,
+    configure_on,
+    datagen_run,
+    start_generation_server,
+    vllm_python,
+)
 
-from cli.stack import REPO, child_env, start_simulator
+from cli.stack import start_simulator
 from datagen.client import SGLangClient, new_rid, rid_prefix
 from datagen.errors import BadRequest
 from datagen.generation.ledger import Ledger
@@ -129,24 +133,7 @@ def sim(model: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> It
 
 @pytest.fixture(scope="module")
 def pair(vllm: GenerationServer, sim: str) -> list[Target]:
-    def sim_running(rid: str) -> bool:
-        log = requests.get(f"{sim}/_sim/log", timeout=30).json()
-        return any(r["event"] == "start" and r["rid"] == rid for r in log)
-    return [Target("vllm", vllm.url, vllm.added),
-            Target("simulator", sim, sim_running)]
-
-
-def both(pair: list[Target], scenario: Callable[[Target], Any]) -> tuple[Any, Any]:
-    real, simulated = (scenario(target) for target in pair)
-    return real, simulated
-
-
-def prompt(length: int) -> list[int]:
-    return [1] + [5] * (length - 1)
-
-
-def rid_of(name: str) -> str:
-    return f"cmp-{name}-{uuid.uuid4().hex[:8]}"
+    return [Target("vllm", vllm.url, vllm.added), Target("simulator", sim, sim_started(sim))]
 
 
 def answer(resp: requests.Response) -> tuple[int, Any]:
@@ -392,23 +379,15 @@ def test_a_prompt_too_long_is_a_bad_request_with_vllm_s_text(vllm: GenerationSer
 def test_a_worker_run_on_vllm_stores_each_sample_once_and_counts_its_tokens(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
     # Given: a short worker on the real vLLM server (server_kind vllm), 12 prompts, greedy
-    part = stack.tmp / "partition"
-    write_jsonl(part / "B1_vllm.jsonl",
-                [{"id": f"s{i}", "prompt": f"Say hello number {i}"} for i in range(12)])
-    settings = stack.configure(
-        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
-        tokenizer_path=str(model[0]), sampling_params={"temperature": 0},
-        short_concurrency=4, short_max_tokens=32, read_timeout_s=600.0)
+    settings = configure_on(
+        stack, vllm, model[0], "B1_vllm", [(f"s{i}", f"Say hello number {i}") for i in range(12)],
+        sampling_params={"temperature": 0}, short_concurrency=4, short_max_tokens=32,
+        read_timeout_s=600.0)
     stack.worker("short")
     stack.wait_workers(1)
 
     # When: `datagen run` produces and follows the run to its end
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
-                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
-                            timeout=900)
-    print(f"FIGURE datagen run on vLLM: {time.monotonic() - started:.1f} s for 12 samples")
-    assert result.returncode == 0, result.stderr[-3000:]
+    print(f"FIGURE datagen run on vLLM: {datagen_run(stack):.1f} s for 12 samples")
 
     # Then: every sample stored once and counted once
     ledger = Ledger.from_settings(settings)
@@ -437,14 +416,11 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
     from producers.producer import Producer
 
     dataset = "B2_close"
-    part = stack.tmp / "partition"
-    write_jsonl(part / f"{dataset}.jsonl",
-                [{"id": f"c{i}", "prompt": f"Tell me about topic {i}"} for i in range(8)])
-    settings = stack.configure(
-        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
-        tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
-        short_concurrency=4, short_max_tokens=3000, abort_on_close=True,
-        precise_admission=False, read_timeout_s=600.0, lease_s=60.0)
+    settings = configure_on(
+        stack, vllm, model[0], dataset, [(f"c{i}", f"Tell me about topic {i}") for i in range(8)],
+        sampling_params={"temperature": 0, "ignore_eos": True}, short_concurrency=4,
+        short_max_tokens=3000, abort_on_close=True, precise_admission=False,
+        read_timeout_s=600.0, lease_s=60.0)
     stack.worker("short")
     stack.wait_workers(1)
     ledger, app = stack.ledger(), stack.app()
@@ -493,13 +469,11 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
     from producers.producer import Producer
 
     dataset = "B3_kill"
-    part = stack.tmp / "partition"
-    write_jsonl(part / f"{dataset}.jsonl",
-                [{"id": f"k{i}", "prompt": f"Write about subject {i}"} for i in range(32)])
-    settings = stack.configure(
-        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
-        tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
-        short_concurrency=2, short_max_tokens=160, lease_s=6.0, read_timeout_s=600.0)
+    settings = configure_on(
+        stack, vllm, model[0], dataset,
+        [(f"k{i}", f"Write about subject {i}") for i in range(32)],
+        sampling_params={"temperature": 0, "ignore_eos": True}, short_concurrency=2,
+        short_max_tokens=160, lease_s=6.0, read_timeout_s=600.0)
     victim = stack.worker("short", name="victim@%h")
     stack.wait_workers(1)
     ledger = stack.ledger()
@@ -519,10 +493,7 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
     done_at_restart = set(ledger.committed(dataset))
     assert len(lost) == 2 and 2 <= len(done_at_restart) < 32
     stack.worker("short", name="fresh@%h")
-    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
-                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    datagen_run(stack)
 
     # Then: each sample stored once and counted once at its full length; the killed
     # requests ended on vLLM (aborted by their ids, not run on to their caps); every request
@@ -557,22 +528,16 @@ def test_a_budget_stops_the_dataset_on_vllm_and_nothing_runs_on(
     import re
 
     dataset, budget, cap, threads = "B4_budget", 600, 48, 4
-    part = stack.tmp / "partition"
-    write_jsonl(part / f"{dataset}.jsonl",
-                [{"id": f"b{i}", "prompt": f"Explain item {i}"} for i in range(40)])
-    settings = stack.configure(
-        server_url=vllm.url, server_kind="vllm", data_dir=str(part),
-        tokenizer_path=str(model[0]), sampling_params={"temperature": 0, "ignore_eos": True},
-        short_concurrency=threads, short_max_tokens=cap, budgets={dataset: budget},
-        token_budget=10**9, abort_on_close=True, read_timeout_s=600.0)
+    settings = configure_on(
+        stack, vllm, model[0], dataset, [(f"b{i}", f"Explain item {i}") for i in range(40)],
+        sampling_params={"temperature": 0, "ignore_eos": True}, short_concurrency=threads,
+        short_max_tokens=cap, budgets={dataset: budget}, token_budget=10**9,
+        abort_on_close=True, read_timeout_s=600.0)
     stack.worker("short")
     stack.wait_workers(1)
 
     # When: `datagen run` runs it to its end
-    result = subprocess.run([sys.executable, "-m", "cli.main", "run", "--interval", "0.5"],
-                            cwd=REPO, env=child_env(stack.env), capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    datagen_run(stack)
 
     # Then: closed by its budget, at or over it by less than the requests one worker had in
     # flight could add; each stored sample counted once; every request of the dataset vLLM
