@@ -21,6 +21,7 @@ from cli.stack import REPO, Process
 from datagen.redis_server import free_port
 from datagen.servers import capture
 
+PYTHON_ENV = "DATAGEN_VLLM_PYTHON"  # the vllm_python setting's variable
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 VLLM_VERSION = "0.32"
 # GiB of KV cache: the attention cache and the captured states of the requests in flight.
@@ -28,21 +29,27 @@ VLLM_VERSION = "0.32"
 KV_CACHE_GIB = "2"
 
 
-def unavailable_reason(python: Path = DEFAULT_PYTHON) -> str | None:
+def vllm_python() -> Path:
+    """The interpreter of vLLM's virtualenv: $DATAGEN_VLLM_PYTHON, else .venv-vllm's."""
+    return Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON)
+
+
+def unavailable_reason() -> str | None:
     """None when vLLM's CPU build can be started here, else one line saying why not."""
+    python = vllm_python()
     if not python.is_file():
         return (f"no vLLM virtualenv at {python} (make vllm-env installs vLLM {VLLM_VERSION}'s "
-                f"CPU build there, ~3.1 GB)")
+                f"CPU build in .venv-vllm, ~3.1 GB; {PYTHON_ENV} names another interpreter)")
     if not any((python.parent.parent / "lib").glob("python3*/site-packages/vllm")):
         return f"{python} has no vllm package (make vllm-env)"
     return None
 
 
 def launch_argv(model_dir: Path, port: int, max_model_len: int, output_dir: Path,
-                dtype: str, python: Path = DEFAULT_PYTHON) -> list[str]:
+                dtype: str) -> list[str]:
     """``vllm serve`` (as its module) for generation with capture, states in ``dtype``."""
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+    return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
             "--enable-scale-out", "--enforce-eager",
             *capture.server_args(str(model_dir), output_dir, dtype)]

@@ -50,6 +50,20 @@ def test_make_demo_extracts_on_vllm(tmp_path: Path) -> None:
     assert str(work / "model") not in ps
 
 
+def test_the_vllm_demo_without_vllm_says_why_in_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    env["DATAGEN_VLLM_PYTHON"] = str(tmp_path / "no-venv" / "bin" / "python")
+    result = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--server", "vllm",
+                             "--workdir", str(tmp_path / "demo")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.strip() == (
+        f"demo --server vllm: no vLLM virtualenv at {env['DATAGEN_VLLM_PYTHON']} (make "
+        "vllm-env installs vLLM 0.32's CPU build in .venv-vllm, ~3.1 GB; DATAGEN_VLLM_PYTHON "
+        "names another interpreter)")
+    assert not (tmp_path / "demo").exists()  # nothing started
+
+
 @pytest.mark.timeout(1500)
 @pytest.mark.usefixtures("cpu_hog")
 def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass(
