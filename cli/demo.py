@@ -19,6 +19,13 @@ real CPU server decodes a few hundred tokens/s, so its settings
 .venv-vllm, ``make vllm-env``) through the `vllm` backend instead of transformers: the gpu
 worker starts the engine (about a minute and a half here) and the engine writes the files. vLLM's
 CPU attention needs a head size of 32 or more, so the tiny Llama then has 128 hidden and 2 heads.
+
+``--server vllm`` (``make demo SERVER=vllm``) generates on a real vLLM (the same CPU build,
+``cli/vllm.py``) launched with the capture connector: the server writes each sample's hidden
+states while it generates (``capture_states``), the workers check them before they commit, and
+the training folder is built from those files by the `captured` backend, with no extraction
+forward pass (``config/demo-vllm.toml``: the caps and budgets of ``--server sglang``). The
+demo ends with the time of each phase, saying which backend built the folder.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 
 import redis
 
-from cli import sglang
+from cli import sglang, vllm
 from cli.extraction import EXIT_INCOMPLETE, cmd_extract, committed_maps, decoder
 from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
@@ -52,8 +59,13 @@ from datagen.training.training_set import extraction_dir, prepare, render
 
 DEMO_CONFIG = REPO / "config" / "demo.toml"
 SGLANG_CONFIG = REPO / "config" / "demo-sglang.toml"
+VLLM_CONFIG = REPO / "config" / "demo-vllm.toml"
+CONFIGS = {"simulator": DEMO_CONFIG, "sglang": SGLANG_CONFIG, "vllm": VLLM_CONFIG}
 # The real server's context, as the simulator's: no prompt of the partition comes near it.
 SGLANG_CONTEXT = 8192
+# vLLM's states in float32, as its CPU build runs the tiny Llama; `captured` casts them to
+# extract_dtype when it writes SpecForge's files
+CAPTURE_DTYPE = "float32"
 # Small shards so the progress shows; the tiny model keeps the CPU forward to a few seconds.
 EXTRACT_ENV = {"DATAGEN_SHARD_SAMPLES": "64", "DATAGEN_EXTRACT_BATCH_TOKENS": "2048",
                "DATAGEN_EXTRACT_WRITER_THREADS": "2"}
@@ -72,22 +84,33 @@ def run_demo(args: argparse.Namespace) -> int:
     # SIGTERM (a timeout, `kill`) unwinds like Ctrl-C, so the finally below stops the
     # server and workers: each runs in a session of its own and would outlive the demo.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    real = getattr(args, "server", "simulator") == "sglang"
-    if real and sglang.unavailable_reason():
-        print(f"demo --server sglang: {sglang.unavailable_reason()}")
+    server = getattr(args, "server", "simulator")
+    if refused := _refusal(server, getattr(args, "extract", "hf")):
+        print(refused)
         return 2
-    if getattr(args, "extract", "hf") == "vllm" and not VLLM_PYTHON.is_file():
-        print(f"demo --extract vllm: no {VLLM_PYTHON}; `make vllm-env` installs vLLM's CPU "
-              "build there (~3.1 GB)")
-        return 2
-    config = SGLANG_CONFIG if real else DEMO_CONFIG
+    config = CONFIGS[server]
     workdir = Path(args.workdir).resolve()
     with demo_lock(workdir) as held_by:
         if held_by is not None:
             print(f"demo: another demo (pid {held_by}) is running in {workdir}; wait for it "
                   "to end, or pass --workdir for a second one", file=sys.stderr)
             return 2
-        return _run(args, real, config, workdir, started)
+        return _run(args, server, config, workdir, started)
+
+
+def _refusal(server: str, extract: str) -> str | None:
+    """One line when this machine cannot run the asked demo, else None."""
+    if server == "sglang" and sglang.unavailable_reason():
+        return f"demo --server sglang: {sglang.unavailable_reason()}"
+    if server == "vllm" and vllm.unavailable_reason():
+        return f"demo --server vllm: {vllm.unavailable_reason()}"
+    if server == "vllm" and extract == "vllm":
+        return ("demo --server vllm captures the states while it generates, so no extraction "
+                "pass runs: --extract vllm does not apply")
+    if extract == "vllm" and not VLLM_PYTHON.is_file():
+        return (f"demo --extract vllm: no {VLLM_PYTHON}; `make vllm-env` installs vLLM's CPU "
+                "build there (~3.1 GB)")
+    return None
 
 
 @contextmanager
@@ -109,7 +132,7 @@ def demo_lock(workdir: Path) -> Iterator[int | None]:
         yield None
 
 
-def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
+def _run(args: argparse.Namespace, server_name: str, config: Path, workdir: Path,
          started: float) -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     logs = workdir / "logs"
@@ -123,9 +146,9 @@ def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
                "DATAGEN_OUTPUT_DIR": str(workdir / "output"),
                "DATAGEN_TOKENIZER_PATH": str(tokenizer)}
         try:
-            vllm = getattr(args, "extract", "hf") == "vllm"
-            server, url = (_start_sglang(workdir, tokenizer, encoder.vocab_size, vllm) if real
-                           else _start_simulator(workdir, encoder))
+            real = server_name != "simulator"
+            vllm_extract = getattr(args, "extract", "hf") == "vllm"
+            server, url = _start_server(server_name, workdir, tokenizer, encoder, vllm_extract)
             procs.append(server)
             env["DATAGEN_SERVER_URL"] = url
             os.environ.update(env)
@@ -135,19 +158,19 @@ def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
             wait_for_workers(redis_server.url, 2, procs=workers)
             print("demo: short and long workers are up", flush=True)
             died = _produce_and_follow(started, config, timeout_s=900 if real else 240)
+            generated = time.monotonic()
             for proc in (*workers, server):  # generation is over: the CPU goes to extraction
                 proc.stop()
             env.update(EXTRACT_ENV, DATAGEN_MODEL_PATH=str(workdir / "model"))
-            if vllm:
+            if vllm_extract:
                 env.update(VLLM_ENV)
             os.environ.update(env)
             if not real:  # the real server served it already
-                _build_model(workdir, tokenizer, encoder.vocab_size, vllm)  # the worker checks it
-            print("\nextraction: one gpu worker on the CPU" + (
-                ", through a real vLLM engine (about a minute and a half to start)" if vllm
-                else ""), flush=True)
+                _build_model(workdir, tokenizer, encoder.vocab_size, vllm_extract)  # checked
+            print(_extraction_banner(server_name, vllm_extract), flush=True)
             procs.append(start_worker("gpu", child_env(env), logs))
-            code = _extract(started, config, timeout_s=900 if vllm else 240)
+            code = _extract(started, config, timeout_s=900 if vllm_extract else 240)
+            print(_phases(started, generated, extraction_dir(load_settings(config))))
             if died:
                 print(f"demo: {died} samples were dead-lettered in generation (reasons above; "
                       "`datagen dead` lists them): the demo did not succeed")
@@ -156,6 +179,15 @@ def _run(args: argparse.Namespace, real: bool, config: Path, workdir: Path,
             for proc in reversed(procs):
                 proc.stop()
             _save_ledger(redis_server, workdir, config, env)
+
+
+def _start_server(name: str, workdir: Path, tokenizer: Path, encoder: ChatEncoder,
+                  vllm_extract: bool) -> tuple[Process, str]:
+    if name == "vllm":
+        return _start_vllm(workdir, tokenizer, encoder.vocab_size)
+    if name == "sglang":
+        return _start_sglang(workdir, tokenizer, encoder.vocab_size, vllm_extract)
+    return _start_simulator(workdir, encoder)
 
 
 def _start_simulator(workdir: Path, encoder: ChatEncoder) -> tuple[Process, str]:
@@ -177,6 +209,46 @@ def _start_sglang(workdir: Path, tokenizer: Path, vocab_size: int,
     waited = sglang.wait_healthy(url, proc.alive, proc.log_path)
     print(f"demo: SGLang healthy after {waited:.0f}s", flush=True)
     return proc, url
+
+
+def _start_vllm(workdir: Path, tokenizer: Path, vocab_size: int) -> tuple[Process, str]:
+    """The demo's model (vLLM's CPU shape), built now, served by a real vLLM that captures
+    every sample's states under the run's output folder (1-2 minutes to start)."""
+    _build_model(workdir, tokenizer, vocab_size, vllm=True)
+    proc, url = vllm.start_vllm(workdir / "model", workdir / "logs", SGLANG_CONTEXT,
+                                workdir / "output", CAPTURE_DTYPE)
+    print(f"demo: starting a real vLLM {vllm.VLLM_VERSION} (CPU build) on the CPU with the "
+          f"capture connector ({url}; log {proc.log_path}); it takes 1-2 minutes to start",
+          flush=True)
+    waited = sglang.wait_healthy(url, proc.alive, proc.log_path, name="vLLM")
+    print(f"demo: vLLM healthy after {waited:.0f}s; it writes each sample's hidden states "
+          f"under {workdir / 'output' / 'states'}", flush=True)
+    return proc, url
+
+
+def _extraction_banner(server_name: str, vllm_extract: bool) -> str:
+    if server_name == "vllm":
+        return ("\ntraining folder: one gpu worker builds it from the states vLLM captured "
+                "while generating (backend `captured`, no forward pass)")
+    return "\nextraction: one gpu worker on the CPU" + (
+        ", through a real vLLM engine (about a minute and a half to start)" if vllm_extract
+        else "")
+
+
+def _phases(started: float, generated: float, folder: Path) -> str:
+    """The time of each phase, and whether the training folder took a forward pass."""
+    meta = folder / "extraction.json"
+    backend = json.loads(meta.read_text(encoding="utf-8"))["backend"] if meta.is_file() else None
+    now = time.monotonic()
+    if backend is None:
+        second = f"extraction {now - generated:.0f}s, not finished"
+    elif backend == "captured":
+        second = (f"training folder {now - generated:.0f}s, built by the `captured` backend "
+                  f"from the states captured while generating: no extraction forward pass ran")
+    else:
+        second = f"extraction {now - generated:.0f}s, a forward pass (backend `{backend}`)"
+    return (f"phases: generation {generated - started:.0f}s (the server's start included); "
+            f"{second}")
 
 
 def _produce_and_follow(started: float, config: Path, timeout_s: float) -> int:

@@ -169,10 +169,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_extraction_flags(parsers)
     parsers["demo"].add_argument("--workdir", default="runs/demo",
                                  help="folder of the demo run (default runs/demo)")
-    parsers["demo"].add_argument("--server", choices=("simulator", "sglang"),
+    parsers["demo"].add_argument("--server", choices=("simulator", "sglang", "vllm"),
                                  default="simulator",
-                                 help="what generates: the SGLang simulator (default, fast) or "
-                                 "a real SGLang on the CPU (make sglang-env; a few minutes)")
+                                 help="what generates: the SGLang simulator (default, fast), "
+                                 "a real SGLang on the CPU (make sglang-env), or a real vLLM "
+                                 "that captures the states as it generates (make vllm-env)")
     parsers["demo"].add_argument("--extract", choices=("hf", "vllm"), default="hf",
                                  help="what extracts: transformers (default) or a real vLLM "
                                  "engine on the CPU (make vllm-env; about a minute more)")

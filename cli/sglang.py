@@ -92,10 +92,11 @@ def start_sglang(model_dir: Path, log_dir: Path, name: str = "sglang",
 
 
 def wait_healthy(url: str, alive: Callable[[], bool], log_path: Path,
-                 timeout_s: float = 900.0, codes: list[int] | None = None) -> float:
+                 timeout_s: float = 900.0, codes: list[int] | None = None,
+                 name: str = "SGLang") -> float:
     """Until ``GET /health`` answers 200 (it answers 503 while the model loads); returns the
     seconds waited, and appends each status it answered on the way to ``codes``. Raises
-    with the log's tail when the server exits or the time is up."""
+    with the log's tail when the server (``name``: SGLang, vLLM) exits or the time is up."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         try:
@@ -107,9 +108,9 @@ def wait_healthy(url: str, alive: Callable[[], bool], log_path: Path,
         if status == 200:
             return time.monotonic() - started
         if not alive():
-            raise RuntimeError(f"SGLang exited before it was healthy:\n{_tail(log_path)}")
+            raise RuntimeError(f"{name} exited before it was healthy:\n{_tail(log_path)}")
         time.sleep(0.5)
-    raise RuntimeError(f"SGLang not healthy after {timeout_s:.0f}s:\n{_tail(log_path)}")
+    raise RuntimeError(f"{name} not healthy after {timeout_s:.0f}s:\n{_tail(log_path)}")
 
 
 def _tail(path: Path, chars: int = 3000) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -290,3 +291,24 @@ def test_a_demo_whose_samples_were_dead_lettered_does_not_report_success(
     assert "dead letters:" in result.stdout
     assert "samples were dead-lettered in generation" in result.stdout
     assert "the demo did not succeed" in result.stdout
+
+
+def test_the_documented_capture_arguments_are_server_args(tmp_path: Path) -> None:
+    # Given: DEPLOY.md's vLLM-with-capture block, its model a config.json of 61 layers
+    from datagen.servers.capture import server_args
+
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    block = text.split("<!-- vllm-capture:start -->", 1)[1].split("<!-- vllm-capture:end -->")[0]
+    line = block[block.index("CAPTURE=$("):block.index("bfloat16)") + len("bfloat16)")]
+    model = tmp_path / "Kimi-K2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61}}))
+    line = line.replace("/models/Kimi-K2.5", str(model))
+    # When: its CAPTURE= line runs at the repository root, as written
+    result = subprocess.run(["bash", "-euc", f'{line}\nprintf "%s" "$CAPTURE"'], cwd=REPO,
+                            capture_output=True, text=True, timeout=CLI_HANG_S)
+    # Then: the words it gives `vllm serve` are server_args'
+    assert result.returncode == 0, result.stderr
+    assert shlex.split(result.stdout) == server_args(str(model), "/mnt/shared/run1",
+                                                     "bfloat16")
+    assert "--tensor-parallel-size 8" in block and "--enable-scale-out" in block

