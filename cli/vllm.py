@@ -15,6 +15,7 @@ its API server, engine core and workers share one process group, ended with the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from cli.stack import REPO, Process
@@ -24,9 +25,6 @@ from datagen.servers import capture
 PYTHON_ENV = "DATAGEN_VLLM_PYTHON"  # the vllm_python setting's variable
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 VLLM_VERSION = "0.32"
-# GiB of KV cache: the attention cache and the captured states of the requests in flight.
-# vLLM's CPU default reserves most of the host's memory.
-KV_CACHE_GIB = "2"
 
 
 def vllm_python() -> Path:
@@ -45,27 +43,40 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def launch_argv(model_dir: Path, port: int, max_model_len: int, output_dir: Path,
-                dtype: str) -> list[str]:
-    """``vllm serve`` (as its module) for generation with capture, states in ``dtype``."""
+def launch_argv(model_dir: Path, port: int, max_model_len: int, dtype: str,
+                extra: Sequence[str] = ()) -> list[str]:
+    """``vllm serve`` (as its module) for generation: the token API, ids in and out;
+    ``extra`` besides (capture's ``server_args``, request logging)."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
-            "--enable-scale-out", "--enforce-eager",
-            *capture.server_args(str(model_dir), output_dir, dtype)]
+            "--enable-scale-out", "--enforce-eager", *extra]
+
+
+def launch_env() -> dict[str, str]:
+    """Its environment: a KV cache that fits beside other work, log lines as they come (not
+    when a buffer fills: tests wait on them), the connector importable from this checkout."""
+    from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB  # noqa: PLC0415 (torch)
+
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def launcher_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` under the `vllm` backend's launcher: one process group, ended with this
+    process."""
+    from datagen.extraction.backends.vllm import LAUNCHER  # noqa: PLC0415 (torch)
+
+    return [argv[0], "-c", LAUNCHER, str(os.getpid()), *argv]
 
 
 def start_vllm(model_dir: Path, log_dir: Path, max_model_len: int, output_dir: Path,
                dtype: str = "float32") -> tuple[Process, str]:
     """Start it on a free loopback port; returns at once with (process, base URL): wait with
     ``cli.sglang.wait_healthy`` (vLLM's ``/health`` answers 200 once the engine runs)."""
-    from datagen.extraction.backends.vllm import LAUNCHER  # noqa: PLC0415 (torch)
-
     port = free_port()
-    argv = launch_argv(model_dir, port, max_model_len, output_dir, dtype)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=KV_CACHE_GIB, PYTHONUNBUFFERED="1")
-    # the engine imports the connector from this checkout
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    launcher = [argv[0], "-c", LAUNCHER, str(os.getpid()), *argv]
-    proc = Process("vllm", launcher, log_dir / "vllm.log", env)
+    argv = launch_argv(model_dir, port, max_model_len, dtype,
+                       capture.server_args(str(model_dir), output_dir, dtype))
+    proc = Process("vllm", launcher_argv(argv), log_dir / "vllm.log", launch_env())
     return proc, f"http://127.0.0.1:{port}"

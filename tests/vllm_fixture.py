@@ -92,27 +92,21 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
     greedy outputs equal transformers'; ready when /health answers 200. ``extra_args``:
     capture_states' (datagen.servers.capture.server_args), whose connector the server imports
     from this checkout."""
-    from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB, LAUNCHER, repo_root
+    from cli.vllm import launch_argv, launch_env, launcher_argv
 
-    python = vllm_python()
+    vllm_python()  # skip (or fail in CI) without it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", str(max_model_len),
-           "--skip-tokenizer-init", "--enable-scale-out", "--enforce-eager",
-           "--enable-log-requests", "--max-log-len", "8", *extra_args]
-    # PYTHONUNBUFFERED: vLLM's log lines reach a file only when its stdout buffer fills
-    # otherwise (measured: "Added request" of a 3,000-token request 8.6 s late, as it
-    # ended), and the tests synchronize on them
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (repo_root(), os.environ.get("PYTHONPATH"))
-                                          if p))
+    # the demo's flags (cli/vllm.py, with PYTHONUNBUFFERED: the tests wait on its log lines),
+    # float32, and each request's id in the log
+    argv = launch_argv(model, port, max_model_len, "float32", [
+        "--served-model-name", "tiny", "--enable-log-requests", "--max-log-len", "8",
+        *extra_args])
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
-        proc = subprocess.Popen([python, "-c", LAUNCHER, str(os.getpid()), *cmd], stdout=fh,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(launcher_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
+                                env=launch_env(), start_new_session=True)
     server = GenerationServer(f"http://127.0.0.1:{port}", proc, log, max_model_len)
 
     def ready() -> bool:
