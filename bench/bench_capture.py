@@ -13,7 +13,7 @@ off then on) with the same KV-cache memory (VLLM_CPU_KVCACHE_SPACE), and on each
 
   generation  --blocks blocks of --prompts requests (--concurrency threads, as a `short`
               worker sends them: /inference/v1/generate through SGLangClient, greedy,
-              ignore_eos, --output-len tokens each); block k uses prompt set k on every
+              ignore_eos, --output-len tokens, --temperature); block k uses prompt set k on every
               server (random ids: no prefix-cache hit across blocks). On the capture server
               each block runs twice, alternately: "capture" (kv_transfer_params naming the
               file; the thread waits for it and checks it, as runner.await_states does) and
@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="1: a random model's "
+                   "tokens rarely repeat, as a real model's (the capture method's draft is "
+                   "the last token: accepted when repeated); 0: greedy, outputs equal on both")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE of each server")
     p.add_argument("--shard-samples", type=int, default=32)
@@ -118,41 +121,50 @@ def generation(args: argparse.Namespace, model: Path, work: Path, aux: tuple[int
             print(f"server {i} ({kind}) ready in {server.start_s:.0f} s: "
                   f"{servers[-1]['line']}", flush=True)
             parts.run_block(server.url, prompt_set(args, 999, 8), 16, 8, "warmup",
-                            cap_dir if kind == "on" else None)
+                            cap_dir if kind == "on" else None, args.temperature)
             for k in range(args.blocks):
                 modes = ["off"] if kind == "off" else (
                     ["capture", "none"] if (k + i // 2) % 2 == 0 else ["none", "capture"])
                 for mode in modes:
+                    cpu_s = parts.server_cpu_s(server)
                     block = parts.run_block(server.url, sets[k], args.output_len,
                                             args.concurrency, "bench",
-                                            cap_dir if mode == "capture" else None)
+                                            cap_dir if mode == "capture" else None,
+                                            args.temperature)
+                    cpu_s = parts.server_cpu_s(server) - cpu_s
                     rows.append({"server": i, "round": i // 2, "mode": mode, "block": k,
-                                 **block.summary()})
-                    print(f"  block {k} {mode:<7} {block.tokens_per_s:8,.0f} output tokens/s",
+                                 **block.summary(), "server_cpu_s": round(cpu_s, 2),
+                                 "server_cpu_ms_per_token":
+                                     round(1000 * cpu_s / block.output_tokens, 3)})
+                    print(f"  block {k} {mode:<7} {block.tokens_per_s:8,.0f} output tokens/s, "
+                          f"server CPU {rows[-1]['server_cpu_ms_per_token']:.2f} ms/token",
                           flush=True)
             shutil.rmtree(cap_dir / capture.STATES_DIR, ignore_errors=True)
             if i >= len(order) - 2:  # the last server of its kind
                 e2e[kind] = parts.run_block(server.url, e2e_prompts, args.output_len,
                                             args.concurrency, "e2e",
-                                            cap_dir if kind == "on" else None)
+                                            cap_dir if kind == "on" else None,
+                                            args.temperature)
         finally:
             server.stop()
+            if len(servers) > i:
+                servers[i]["acceptance_lengths"] = parts.acceptance_lengths(server.log)
     return servers, rows, e2e
 
 
 def ratios(rows: list[dict]) -> dict[str, Any]:
-    """Per (round, block): capture over off (the server without the connector) and capture
-    over none (the same capture server, requests naming no file)."""
-    rate = {(r["round"], r["block"], r["mode"]): r["output_tokens_per_s"] for r in rows}
+    """Per (round, block), of output tokens/s and of the server's CPU per output token:
+    capture over off (the server without the connector), capture over none (the same
+    capture server, requests naming no file), none over off."""
     pairs = sorted({(r["round"], r["block"]) for r in rows})
-    over_off = [round(rate[p + ("capture",)] / rate[p + ("off",)], 3) for p in pairs]
-    over_none = [round(rate[p + ("capture",)] / rate[p + ("none",)], 3) for p in pairs]
-    none_over_off = [round(rate[p + ("none",)] / rate[p + ("off",)], 3) for p in pairs]
-    return {"capture_over_off": over_off, "capture_over_none": over_none,
-            "none_over_off": none_over_off,
-            "median_capture_over_off": statistics.median(over_off),
-            "median_capture_over_none": statistics.median(over_none),
-            "median_none_over_off": statistics.median(none_over_off)}
+    out: dict[str, Any] = {}
+    for key, name in (("output_tokens_per_s", ""), ("server_cpu_ms_per_token", "cpu_")):
+        value = {(r["round"], r["block"], r["mode"]): r[key] for r in rows}
+        for top, bottom in (("capture", "off"), ("capture", "none"), ("none", "off")):
+            each = [round(value[p + (top,)] / value[p + (bottom,)], 3) for p in pairs]
+            out[f"{name}{top}_over_{bottom}"] = each
+            out[f"median_{name}{top}_over_{bottom}"] = statistics.median(each)
+    return out
 
 
 def run_settings(args: argparse.Namespace, model: Path, folder: Path, backend: str,

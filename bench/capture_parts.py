@@ -25,6 +25,10 @@ from datagen.servers import capture
 # vLLM 0.32, v1/core/kv_cache_utils.py update_kv_cache_capacity (its "GPU" is "CPU" here)
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
                      r"tokens per request: ([\d.]+)x")
+# vLLM 0.32, v1/spec_decode/metrics.py: the capture method runs as a speculative one whose
+# draft is the token just sampled, so a step verifies 2 positions a request and keeps the draft
+# when the model repeats its last token (often, for a random model decoding greedily)
+ACCEPTANCE_LINE = re.compile(r"SpecDecoding metrics: Mean acceptance length: ([\d.]+)")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -85,6 +89,22 @@ def start_server(python: str, model: Path, log: Path, max_model_len: int, dtype:
     return server
 
 
+def server_cpu_s(server: Server) -> float:
+    """CPU seconds the server's processes (API server, engine core, its threads) used so far:
+    on a host shared with other work, a steadier cost than wall time."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def _healthy(server: Server) -> bool:
     try:
         return requests.get(f"{server.url}/health", timeout=5).status_code == 200
@@ -101,6 +121,11 @@ def kv_capacity(log: Path) -> dict[str, Any]:
     return {"kv_tokens": int(found[1].replace(",", "")),
             "max_model_len": int(found[2].replace(",", "")),
             "max_concurrency": float(found[3]), "line": found[0]}
+
+
+def acceptance_lengths(log: Path) -> list[float]:
+    """Every "Mean acceptance length" a capture server logged (none without capture)."""
+    return [float(m) for m in ACCEPTANCE_LINE.findall(log.read_text(errors="replace"))]
 
 
 def bytes_per_token(model: Path, dtype: str, aux_ids: Sequence[int]) -> dict[str, int]:
@@ -135,13 +160,14 @@ class Block:
 
 
 def run_block(url: str, prompts: Sequence[list[int]], output_len: int, concurrency: int,
-              dataset: str, states_under: Path | None = None) -> Block:
+              dataset: str, states_under: Path | None = None, temperature: float = 0.0
+              ) -> Block:
     """Every prompt through ``concurrency`` threads, as a `short` worker's threads send them
     (/inference/v1/generate through SGLangClient); with ``states_under`` (the capture
     server's output_dir) each request names its file, and its thread waits for it and checks
     it before taking the next prompt, as runner.await_states does."""
     client = SGLangClient(url, kind="vllm", read_timeout_s=1800.0)
-    params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0}
+    params = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": temperature}
 
     def one(item: tuple[int, list[int]]) -> dict[str, Any]:
         number, prompt = item

@@ -18,28 +18,35 @@ def _generation(result: dict[str, Any]) -> str:
              f"{c['min_prompt']}-{c['max_prompt']} prompt + {c['output_len']} output tokens, "
              f"Llama H={c['hidden']} L={c['layers']} {c['dtype']}",
              f"{'server':>6} {'kind':>4} {'block':>5} {'mode':>8} {'output tok/s':>13} "
-             f"{'s':>7} {'states MB':>10}"]
+             f"{'s':>7} {'states MB':>10} {'server CPU ms/tok':>18}"]
     kinds = {s["index"]: s["kind"] for s in result["servers"]}
     for b in result["blocks"]:
         lines.append(f"{b['server']:>6} {kinds[b['server']]:>4} {b['block']:>5} {b['mode']:>8} "
                      f"{b['output_tokens_per_s']:>13,.0f} {b['seconds']:>7.1f} "
-                     f"{b['states_bytes'] / 1e6:>10.1f}")
+                     f"{b['states_bytes'] / 1e6:>10.1f} "
+                     f"{b.get('server_cpu_ms_per_token', float('nan')):>18.2f}")
     lines.append(f"capture / off (server without connector), per (round, block): "
                  f"{r['capture_over_off']}, median {r['median_capture_over_off']:.3f}")
     lines.append(f"capture / none (same capture server, no kv_transfer_params): "
                  f"{r['capture_over_none']}, median {r['median_capture_over_none']:.3f}")
     lines.append(f"none / off (the method and connector, no file asked): "
                  f"{r['none_over_off']}, median {r['median_none_over_off']:.3f}")
+    for pair in ("capture_over_off", "capture_over_none", "none_over_off"):
+        if f"cpu_{pair}" in r:
+            lines.append(f"server CPU per output token, {pair.replace('_over_', ' / ')}: "
+                         f"{r[f'cpu_{pair}']}, median {r[f'median_cpu_{pair}']:.3f}")
     return "\n".join(lines)
 
 
 def _capacity(result: dict[str, Any]) -> str:
     cap = result["capacity"]
     per = cap["bytes_per_token"]
-    lines = [f"{'server':>6} {'kind':>4} {'start s':>8} {'KV tokens':>11} {'max concurrency':>16}"]
+    lines = [f"{'server':>6} {'kind':>4} {'start s':>8} {'KV tokens':>11} {'max concurrency':>16}"
+             f" {'spec acceptance length':>23}"]
     for s in result["servers"]:
+        accepted = s.get("acceptance_lengths") or [float("nan")]
         lines.append(f"{s['index']:>6} {s['kind']:>4} {s['start_s']:>8.0f} {s['kv_tokens']:>11,} "
-                     f"{s['max_concurrency']:>15.2f}x")
+                     f"{s['max_concurrency']:>15.2f}x {min(accepted):>11.2f}-{max(accepted):.2f}")
     lines.append(f"KV tokens on / off: measured {cap['measured_on_over_off']:.4f}; arithmetic "
                  f"{per['attention']:,} / ({per['attention']:,} + {per['states']:,}) = "
                  f"{cap['arithmetic_on_over_off']:.4f} (B/token: K and V of every layer; "
