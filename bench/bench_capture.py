@@ -1,6 +1,6 @@
 """capture_states on against off on a real vLLM server: tokens/s, KV capacity, the run end to end.
 
-    nice -n 5 .venv/bin/python bench/bench_capture.py   # ~8 min on 2 shared cores, 3 engine starts
+    nice -n 5 .venv/bin/python bench/bench_capture.py   # ~15 min on 2 shared cores: 3 engine starts
     nice -n 5 .venv/bin/python bench/bench_capture.py --server-rounds 2 --blocks 3 \\
         --out bench/results/capture_2rounds.json                        # off, on, off, on
 
