@@ -298,8 +298,11 @@ def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
     if hidden is None or layers is None:
         shape = model_shape(settings.model_path)
         hidden, layers = hidden or shape[0], layers or shape[1]
-    rate, rate_source = _tokens_per_s(settings, args)
-    plan = estimate(tokens, hidden, layers, rate, args.gpus, DTYPE_BYTES[settings.extract_dtype])
+    captured = args.capture or settings.capture_states
+    rate, rate_source = ((0.0, "none needed: states captured while generating (capture_states)")
+                         if captured else _tokens_per_s(settings, args))
+    plan = estimate(tokens, hidden, layers, rate, args.gpus, DTYPE_BYTES[settings.extract_dtype],
+                    captured)
     print(f"tokens: {source}\ntokens/s per GPU: {rate_source}")
     print(plan.text)
     return 0

@@ -208,6 +208,9 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
                      help="per gpu worker (default: the file `datagen calibrate` writes on a "
                           "GPU worker; on a machine with no calibration, e.g. a CPU-only one, "
                           "this flag is required)")
+    est.add_argument("--capture", action="store_true",
+                     help="plan for capture_states (also when the settings turn it on): no "
+                          "extraction forward, the captured files counted on disk")
     cal = parsers["calibrate"]
     cal.add_argument("--seq-len", type=int, default=4096,
                      help="tokens per measured sequence (default 4096)")

@@ -6,6 +6,12 @@ module, so it must not import torch: only ``calibrate`` does, lazily, because it
 
     bytes  = tokens x (4 x H x dtype_bytes + 16)
     hours  = tokens / (tokens_per_s x n_gpus) / 3600
+
+With ``capture_states`` the generation servers write the states while they generate: no
+extraction forward (0 hours; the `captured` build step only reads and rewrites files), but the
+captured files (4 x H x dtype_bytes + 8 B of ids per token, under ``<output_dir>/states``) sit
+on disk beside the training folder built from them, and the states wait in each server's KV
+cache until their request ends (4 x H x dtype_bytes per token).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ log = logging.getLogger(__name__)
 
 N_AUX = 3
 ID_AND_MASK_BYTES = 16  # input_ids int64 + loss_mask int64
+CAPTURED_ID_BYTES = 8  # a captured file's input_ids int64 (the build step derives the mask)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # (hidden_size, num_hidden_layers) of targets planned for before their weights are at hand.
 # Kimi-K2.5: the DeepSeek-V3 text backbone of its config.json's text_config.
@@ -51,6 +58,11 @@ def estimate_bytes(tokens: int, hidden_size: int, dtype_bytes: int = 2, n_aux: i
     return tokens * bytes_per_token(hidden_size, dtype_bytes, n_aux)
 
 
+def captured_bytes_per_token(hidden_size: int, dtype_bytes: int = 2, n_aux: int = N_AUX) -> int:
+    """A captured file's bytes per position (datagen/servers/capture.py's layout)."""
+    return (n_aux + 1) * hidden_size * dtype_bytes + CAPTURED_ID_BYTES
+
+
 @dataclass(frozen=True)
 class DatasetEstimate:
     name: str
@@ -72,6 +84,13 @@ class Estimate:
     tokens_per_s_per_gpu: float
     n_gpus: int
     hours: float
+    captured: bool = False
+    states_bytes: int = 0  # the captured files under <output_dir>/states (capture only)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The training folder and, with capture, the files it is built from."""
+        return self.total_bytes + self.states_bytes
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -82,14 +101,21 @@ class Estimate:
 
 
 def estimate(tokens_by_dataset: Mapping[str, int], hidden_size: int, num_layers: int,
-             tokens_per_s: float, n_gpus: int = 1, dtype_bytes: int = 2) -> Estimate:
-    """Plan a run: bytes and hours per dataset and in total."""
-    if tokens_per_s <= 0 or n_gpus <= 0:
+             tokens_per_s: float, n_gpus: int = 1, dtype_bytes: int = 2,
+             captured: bool = False) -> Estimate:
+    """Plan a run: bytes and hours per dataset and in total. ``captured``: the states come
+    from the generation pass (capture_states): no forward hours, ``tokens_per_s`` unused, and
+    the captured files counted apart (``states_bytes``)."""
+    if n_gpus <= 0 or (tokens_per_s <= 0 and not captured):
         raise ValueError(f"tokens_per_s={tokens_per_s} and n_gpus={n_gpus} must be > 0")
     rate = tokens_per_s * n_gpus
+
+    def hours(tokens: int) -> float:
+        return 0.0 if captured else tokens / rate / 3600
+
     per = tuple(
         DatasetEstimate(name, int(tok), estimate_bytes(int(tok), hidden_size, dtype_bytes),
-                        int(tok) / rate / 3600)
+                        hours(int(tok)))
         for name, tok in tokens_by_dataset.items()
     )
     total = sum(d.tokens for d in per)
@@ -98,7 +124,9 @@ def estimate(tokens_by_dataset: Mapping[str, int], hidden_size: int, num_layers:
         aux_layer_ids=default_aux_layer_ids(num_layers), dtype_bytes=dtype_bytes,
         bytes_per_token=bytes_per_token(hidden_size, dtype_bytes),
         total_bytes=estimate_bytes(total, hidden_size, dtype_bytes),
-        tokens_per_s_per_gpu=tokens_per_s, n_gpus=n_gpus, hours=total / rate / 3600,
+        tokens_per_s_per_gpu=tokens_per_s, n_gpus=n_gpus, hours=hours(total),
+        captured=captured,
+        states_bytes=total * captured_bytes_per_token(hidden_size, dtype_bytes) if captured else 0,
     )
 
 
@@ -122,10 +150,27 @@ def render(est: Estimate) -> str:
         f"{'total':<24}{est.total_tokens:>16,}{_size(est.total_bytes):>16}{est.hours:>10.2f}",
         f"disk  = {est.total_tokens:,} tokens x {est.bytes_per_token:,} B"
         f" = {est.total_bytes:,} B = {_size(est.total_bytes)}",
-        f"time  = {est.total_tokens:,} tokens / ({est.tokens_per_s_per_gpu:,.0f} tokens/s"
-        f" x {est.n_gpus} GPUs) / 3600 = {est.hours:,.1f} h",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + (_captured_lines(est) if est.captured else [
+        f"time  = {est.total_tokens:,} tokens / ({est.tokens_per_s_per_gpu:,.0f} tokens/s"
+        f" x {est.n_gpus} GPUs) / 3600 = {est.hours:,.1f} h"]))
+
+
+def _captured_lines(est: Estimate) -> list[str]:
+    h, d = est.hidden_size, est.dtype_bytes
+    per = captured_bytes_per_token(h, d)
+    return [
+        f"states = {est.total_tokens:,} tokens x {per:,} B ((3 aux + 1 final) x H {h} x {d} B"
+        f" + {CAPTURED_ID_BYTES} B ids) = {est.states_bytes:,} B = {_size(est.states_bytes)}",
+        "        captured under <output_dir>/states (at least: every position generated, "
+        "before train_max_length cuts)",
+        f"peak  = {_size(est.total_bytes)} + {_size(est.states_bytes)} = "
+        f"{_size(est.peak_bytes)} while the training folder is built from the captured files",
+        "time  = 0 h of extraction forward: capture_states wrote the states while generating "
+        "(the `captured` build step reads and rewrites them, disk-bound)",
+        f"KV    = {(N_AUX + 1) * h * d:,} B per token of states beside the attention cache in "
+        f"every generation server until its request ends: fewer requests fit",
+    ]
 
 
 def _existing_parent(path: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,33 @@ def test_calibrate_runs_the_extraction_forward(tmp_path):
 
     rate = calibrate(str(model), seq_len=32, n_batches=2, device="cpu", dtype="float32")
     assert rate > 0
+
+
+def test_capture_plans_no_forward_and_counts_the_captured_files_on_disk():
+    # Given: the seed's run planned with capture_states (no extraction rate to give)
+    plan = est.estimate(ORIGINAL_RUN, hidden_size=7168, num_layers=61, tokens_per_s=0,
+                        n_gpus=1, dtype_bytes=2, captured=True)
+
+    # Then: no forward hours, the training folder as without capture, and the captured
+    # files (4 states x H x 2 B + 8 B of int64 ids per position) beside it until it is built
+    tokens = 137_500_000
+    assert plan.hours == 0 and all(d.hours == 0 for d in plan.datasets)
+    assert plan.total_bytes == tokens * 57_360
+    assert plan.states_bytes == tokens * (4 * 7168 * 2 + 8) == 7_885_900_000_000
+    assert plan.peak_bytes == plan.total_bytes + plan.states_bytes
+    text = plan.text
+    assert "states = 137,500,000 tokens x 57,352 B" in text
+    assert "peak  = 7.89 TB + 7.89 TB = 15.77 TB" in text
+    assert "0 h of extraction forward" in text and "57,344 B per token" in text
+    # and without capture a rate is still required
+    with pytest.raises(ValueError):
+        est.estimate(ORIGINAL_RUN, 7168, 61, tokens_per_s=0)
+
+
+def test_estimate_command_takes_capture_without_a_rate():
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", "estimate", "--preset", "kimi-k2.5", "--tokens",
+         "137500000", "--capture"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "none needed" in result.stdout and "peak  = 7.89 TB + 7.89 TB" in result.stdout
