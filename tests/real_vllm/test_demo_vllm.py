@@ -1,25 +1,19 @@
-"""The demos on a real vLLM (the CPU build): `make demo EXTRACT=vllm` extracts through a vLLM
-engine; `make demo SERVER=vllm` generates on a vLLM server that captures the states, and builds
-the training folder from them with no extraction pass."""
+"""`make demo EXTRACT=vllm` on a real vLLM (the CPU build): extraction through a vLLM engine.
+(`make demo SERVER=vllm`: test_demo_vllm_capture.py, a module of its own so that `--dist
+loadscope` may run the two long demos side by side.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from vllm_fixture import vllm_python
 
-from cli.saved import saved_ledger
 from cli.stack import REPO
-from config.settings import load_settings
-from datagen.generation.ledger import Ledger
-from datagen.servers import capture
 
 
 @pytest.mark.timeout(1500)
@@ -48,77 +42,3 @@ def test_make_demo_extracts_on_vllm(tmp_path: Path) -> None:
     assert list((folder / "logs").glob("vllm-*.log"))
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(work / "model") not in ps
-
-
-def test_the_vllm_demo_without_vllm_says_why_in_one_line(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
-    env["DATAGEN_VLLM_PYTHON"] = str(tmp_path / "no-venv" / "bin" / "python")
-    result = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--server", "vllm",
-                             "--workdir", str(tmp_path / "demo")], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stdout.strip() == (
-        f"demo --server vllm: no vLLM virtualenv at {env['DATAGEN_VLLM_PYTHON']} (make "
-        "vllm-env installs vLLM 0.32's CPU build in .venv-vllm, ~3.1 GB; DATAGEN_VLLM_PYTHON "
-        "names another interpreter)")
-    assert not (tmp_path / "demo").exists()  # nothing started
-
-
-@pytest.mark.timeout(1500)
-@pytest.mark.usefixtures("cpu_hog")
-def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass(
-        tmp_path: Path) -> None:
-    vllm_python()  # skips (fails in CI) without .venv-vllm
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
-    work = tmp_path / "demo"
-    # When: the demo runs `make demo SERVER=vllm`'s command (make would first check the
-    # virtualenvs, which the suite has already); a timeout SIGTERMs it, so it stops vLLM
-    started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "demo", "--server", "vllm",
-                             "--workdir", str(work)], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = proc.communicate(timeout=1400)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        stdout, stderr = proc.communicate(timeout=120)
-    out = stdout + stderr
-    took_s = time.monotonic() - started
-    assert proc.returncode == 0, out[-4000:]
-    assert "vLLM healthy" in stdout and "demo finished" in stdout, out[-3000:]
-    assert "specforge train" in stdout and "checked rows_" in stdout, out[-3000:]
-    phases = next(x for x in stdout.splitlines() if x.startswith("phases: "))
-    assert "no extraction forward pass ran" in phases, phases
-    print(f"FIGURE demo --server vllm: {took_s:.0f} s; {phases}")
-
-    # Then: every sample counted once, each with the states file the server wrote for it
-    settings = load_settings(work / "datagen.toml", env={})
-    output = work / "output"
-    with saved_ledger(work / "redis" / "dump.rdb") as url:
-        ledger = Ledger.from_settings(settings.replace(redis_url=url))
-        stats = {d: ledger.snapshot(d)["stats"] for d in ledger.datasets()}
-    assert set(stats) == {"A1_code", "A2_longdoc", "B1_chat", "B2_math"}
-    for dataset, counted in stats.items():
-        recs = [json.loads(x) for x in
-                (output / dataset / "raw_responses.jsonl").read_text().splitlines()]
-        assert len({r["id"] for r in recs}) == len(recs) == counted["samples"], dataset
-        assert sum(r["completion_tokens"] for r in recs) == counted["tokens"], dataset
-        for rec in recs:
-            ids = rec["prompt_ids"] + rec["output_ids"][:-1]
-            assert capture.check_file(output / rec["states"], ids) == rec["states_bytes"]
-
-    # and the training folder built from those files by `captured`: no engine, no forward
-    folder = output / "training" / "hidden_states"
-    meta = json.loads((folder / "extraction.json").read_text())
-    assert meta["backend"] == "captured" and len(set(meta["aux_layer_ids"])) == 3
-    assert not (folder / "logs").exists() or not list((folder / "logs").glob("vllm-*.log"))
-    files = sorted(folder.rglob("data_*.ckpt"))
-    manifest = [json.loads(x) for p in (folder / "manifest").glob("*.jsonl")
-                for x in p.read_text().splitlines()]
-    assert files and len(files) == len(manifest)
-    data = torch.load(files[0], weights_only=True)
-    assert data["hidden_state"].dtype == torch.bfloat16  # captured in float32, cast
-    assert data["aux_hidden_state"].shape[-1] == 3 * data["hidden_state"].shape[-1]
-    assert (folder / "vocab_mapping.pt").is_file()
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert str(work / "model") not in ps  # the server is gone with the demo
