@@ -55,24 +55,20 @@ def start_server(python: str, model: Path, log: Path, max_model_len: int, dtype:
                  ) -> Server:
     """The generation server DESIGN.md describes (token API, no tokenizer), plus
     ``extra_args`` (capture.server_args for capture on); ready when /health answers."""
-    from datagen.extraction.backends.vllm import LAUNCHER, repo_root
+    from cli.vllm import launch_argv, launch_env, launcher_argv
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", dtype, "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
-           "--enable-scale-out", "--enforce-eager", *extra_args]
+    argv = launch_argv(model, port, max_model_len, dtype,
+                       ["--served-model-name", "tiny", *extra_args], python)
     # the same KV-cache memory for both servers, so their token capacities compare
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=kv_cache_gib,
-               PYTHONPATH=os.pathsep.join(p for p in (repo_root(), os.environ.get("PYTHONPATH"))
-                                          if p))
+    env = dict(launch_env(), VLLM_CPU_KVCACHE_SPACE=kv_cache_gib)
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log, "ab") as fh:
-        proc = subprocess.Popen([python, "-c", LAUNCHER, str(os.getpid()), *cmd], stdout=fh,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(launcher_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", proc, log, 0.0)
     try:
         while not _healthy(server):

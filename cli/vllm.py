@@ -44,10 +44,11 @@ def unavailable_reason() -> str | None:
 
 
 def launch_argv(model_dir: Path, port: int, max_model_len: int, dtype: str,
-                extra: Sequence[str] = ()) -> list[str]:
+                extra: Sequence[str] = (), python: str | None = None) -> list[str]:
     """``vllm serve`` (as its module) for generation: the token API, ids in and out;
-    ``extra`` besides (capture's ``server_args``, request logging)."""
-    return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+    ``extra`` besides (capture's ``server_args``, request logging); ``python``: vLLM's
+    interpreter when not ``vllm_python()``."""
+    return [python or str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
             "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
             "--enable-scale-out", "--enforce-eager", *extra]

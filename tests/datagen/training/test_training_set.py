@@ -258,7 +258,7 @@ def test_the_ledger_s_done_maps_are_read_one_dataset_at_a_time(tmp_path, redis_u
         read.append((dataset, sorted(p.parent.name for p in out.glob("*/raw_responses.jsonl"))))
         return real(dataset)
 
-    maps._ledger.committed_index = index  # type: ignore[attr-defined]
+    maps.ledger.committed_index = index  # type: ignore[method-assign]
 
     prepare(settings, maps, None)
 
