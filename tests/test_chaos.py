@@ -174,7 +174,9 @@ def test_killed_workers_requests_start_again_in_time_when_the_only_reaper_starte
     for samples, at in ((lost, killed_at), (lost2, killed2_at)):
         again = {sid: min(e["time"] for e in starts if e["rid"] == counted[sid]) - at
                  for sid in samples}
-        assert all(0 < t <= settings.lease_s + 2 for t in again.values()), again
+        beats = [line for w in (first, second, fresh) for line in w.log_text().splitlines()
+                 if "heartbeat:" in line]
+        assert all(0 < t <= settings.lease_s + 2 for t in again.values()), (again, beats)
         print(f"FIGURE fresh-reaper: {len(samples)} lost requests started again "
               f"{min(again.values()):.1f}-{max(again.values()):.1f}s after their kill")
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import requests
 from conftest import CLI_HANG_S, Stack, wait_until, write_jsonl
+from prometheus_client.parser import text_string_to_metric_families
 
 from cli.stack import REPO, START_TIMEOUT_S, Process, child_env
 from datagen.generation.follower import follow
@@ -33,7 +34,23 @@ def start_flower(stack: Stack, auth: str) -> str:
     stack.procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _answers(url, proc), START_TIMEOUT_S, what="Flower to answer")
+    # Flower answers before its event receiver has subscribed to the broker's event channel
+    # (a Redis PUBLISH, lost to a subscriber that is not there yet): a task sent before that
+    # shows in Flower without its task-sent event, never to get it (a revoked task gets no
+    # received event either). The workers' heartbeats are events: once Flower has counted
+    # one, it hears the producer's too.
+    user, _, password = auth.partition(":")
+    wait_until(lambda: _heard_events(url, (user, password)), START_TIMEOUT_S,
+               what="Flower's event receiver to hear a worker's heartbeat")
     return url
+
+
+def _heard_events(url: str, auth: tuple[str, str]) -> bool:
+    """Whether Flower's own metrics show a worker online, which only a worker-online or
+    worker-heartbeat event received sets."""
+    text = requests.get(f"{url}/metrics", auth=auth, timeout=10).text
+    return any(sample.value == 1 for family in text_string_to_metric_families(text)
+               if family.name == "flower_worker_online" for sample in family.samples)
 
 
 def _answers(url: str, proc: Process) -> bool:

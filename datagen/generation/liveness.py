@@ -37,8 +37,15 @@ Requeue = Callable[[Job], None]
 REAP_LOCK_S = 1.0
 # A reaper looks again no sooner than this after finding the lock held or a deadline passed.
 REAP_RETRY_S = 0.05
+# A worker beats six times a lease, and the fleet's contact mark (contact.lua) lives half a
+# lease: a beat may come a third of a lease late (a loaded machine, the only worker left just
+# started) before the fleet's contact starts over and every reaper waits a lease. Safe at any
+# lease: a live worker renewed at most a sixth of a lease before an outage, so its leases end
+# no sooner than 5/6 of a lease into it, while a contact that outlived the outage (under half
+# a lease) is renewed by its next beat (a sixth, or RETRY_BEAT_S) after the heal.
+BEATS_PER_LEASE = 6
 # After a failed beat (Redis away), the next one comes this soon: a healed worker renews its
-# leases and takes contact again within a moment of the heal, not a third of a lease later.
+# leases and takes contact again within a moment of the heal, not a beat interval later.
 RETRY_BEAT_S = 0.5
 # While it holds requests, a worker checks this often that it can reach its server (a TCP
 # connection, nothing asked of the server).
@@ -46,7 +53,7 @@ SERVER_PROBE_S = 1.0
 
 
 class Heartbeat:
-    """Beats every third of a lease (presence, renewals, deferred releases) and reaps when
+    """Beats six times a lease (presence, renewals, deferred releases) and reaps when
     the fleet's earliest lease deadline passes, not at the next beat: a dead worker's
     requests are re-enqueued within a moment of their lease's end, about one lease after
     the kill (DESIGN.md, "Acks, prefetch and the visibility timeout")."""
@@ -101,6 +108,9 @@ class Heartbeat:
         for payload in woken:
             self.requeue(Job.from_payload(json.loads(payload)))
         lasted = self.ledger.contact(self.lease_s / 2)
+        if lasted == 0 and self._fleet_since is not None:
+            log.warning("heartbeat: no worker reached Redis for %.1fs; reaping waits a lease "
+                        "from now, so every live worker renews first", self.lease_s / 2)
         self._fleet_since = time.monotonic() - lasted
 
     def check_server(self) -> bool:
@@ -127,19 +137,20 @@ class Heartbeat:
         return ok
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(SERVER_PROBE_S, self.lease_s / 3)):
+        while not self._stop.wait(min(SERVER_PROBE_S, self.lease_s / BEATS_PER_LEASE)):
             try:
                 self.check_server()
             except Exception as exc:  # never let the watch die: the next probe tries again
                 log.warning("heartbeat: server check failed: %s", exc)
 
     def _loop(self) -> None:
-        next_beat = time.monotonic() + self.lease_s / 3
+        every = self.lease_s / BEATS_PER_LEASE
+        next_beat = time.monotonic() + every
         while not self._stop.wait(max(0.0, min(next_beat, self._next_reap) - time.monotonic())):
             if time.monotonic() >= next_beat:
                 self._tick()
-                next_beat = time.monotonic() + (self.lease_s / 3 if self._in_touch
-                                                else min(RETRY_BEAT_S, self.lease_s / 3))
+                next_beat = time.monotonic() + (every if self._in_touch
+                                                else min(RETRY_BEAT_S, every))
             else:
                 self._guarded(self._reap_when_due)
 

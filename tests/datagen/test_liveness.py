@@ -15,9 +15,9 @@ from datagen.generation.liveness import Heartbeat, reap
 
 
 def test_a_stale_lease_is_reaped_at_its_deadline_not_at_a_later_beat(redis_url: str) -> None:
-    # Given: a live worker's heartbeat (lease 6 s: it beats every 2 s and may reap once it has
+    # Given: a live worker's heartbeat (lease 12 s: it beats every 2 s and may reap once it has
     # been in touch with Redis for a lease), and a dead worker's request in flight
-    lease_s = 6.0
+    lease_s = 12.0
     led = Ledger(connect(redis_url), Settings(redis_url=redis_url, lease_s=lease_s))
     led.register(["A"])
     led.mark_run()
@@ -34,8 +34,8 @@ def test_a_stale_lease_is_reaped_at_its_deadline_not_at_a_later_beat(redis_url: 
     beat.start()
     try:
         # When: the dead request's lease ends between two beats, half a second after the
-        # heartbeat may first reap (the beats reaped every other beat, the lock held half a
-        # lease: 3.5 s after this deadline)
+        # heartbeat may first reap and 1.5 s before its next beat (the beats reaped every
+        # other beat, the lock held half a lease: 7.5 s after this deadline)
         sec, usec = led.r.time()
         deadline = sec + usec / 1e6 + lease_s + 0.5
         led.r.zadd(led.k("A", keys.LEASES), {"s1": deadline})

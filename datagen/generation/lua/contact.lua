@@ -1,6 +1,6 @@
 -- The fleet's unbroken contact with Redis, marked by every successful heartbeat.
 -- The key holds the Redis time at which the current stretch of contact began; each beat
--- keeps it alive for ARGV[1] ms (half a lease, longer than the beat interval of a third).
+-- keeps it alive for ARGV[1] ms (half a lease, three times the beat interval of a sixth).
 -- When no worker reached Redis for that long (Redis unreachable, restarted or emptied), the
 -- key is gone and the next beat starts a new stretch: reapers then wait a lease, so every
 -- live worker renews first. A reaper that starts while the fleet is in touch reaps at once.
