@@ -108,7 +108,8 @@ test: install system-redis ## run the whole test suite (own Redis, simulator, re
 		"the real-SGLang tests will skip (and fail where CI=true)"
 	@$(MAKE) --no-print-directory vllm-env || echo "could not install vLLM into $(VLLM_VENV):" \
 		"the real-vLLM tests will skip (and fail where CI=true)"
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadscope --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder --durations=25 \
+		$(PYTEST_ARGS)
 
 lint: install ## ruff on everything
 	$(PY) -m ruff check .

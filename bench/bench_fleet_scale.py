@@ -1,7 +1,7 @@
 """One whole run across hosts, measured from the run itself: produce, generate, merge, prepare.
 
     .venv/bin/python bench/bench_fleet_scale.py --prompts 1000000     # root: namespaces
-    .venv/bin/python bench/bench_fleet_scale.py --quick               # 2,000 prompts (tests)
+    .venv/bin/python bench/bench_fleet_scale.py --quick               # 1,000 prompts (tests)
 
 Hosts are network namespaces on a bridge (tests/net/lab.py): Redis (Debian's redis-server),
 the server (one simulator per worker host), two worker hosts each running `datagen worker
@@ -61,7 +61,7 @@ NO_BUDGET = 10**15
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=lambda x: int(float(x)), default=1_000_000)
-    p.add_argument("--quick", action="store_true", help="2,000 prompts, fewer threads (tests)")
+    p.add_argument("--quick", action="store_true", help="1,000 prompts, fewer threads (tests)")
     p.add_argument("--decode-step-s", type=float, default=0.0005)
     p.add_argument("--mean-output-tokens", type=float, default=3700.0)
     p.add_argument("--short-concurrency", type=int, default=150)
@@ -70,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "fleet_scale.json"))
     args = p.parse_args()
     if args.quick:
-        args.prompts, args.short_concurrency, args.long_concurrency = 2000, 32, 8
+        args.prompts, args.short_concurrency, args.long_concurrency = 1000, 32, 8
     return args
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import durations
 import pytest
 import redis
 from net.lab import unavailable_reason
@@ -55,11 +56,18 @@ def pytest_configure(config: pytest.Config) -> None:
 # The tests that start vLLM engines (cpu_hog) run niced: on a 2-core runner an engine start
 # beside a test that asserts how soon something happens (the chaos and net tests) delayed a
 # fresh worker's heartbeat past a lease (CI, 2026-12-04); a lock between the two kinds left
-# one xdist process idle for minutes at a time instead. `make test` runs `--dist loadscope`:
+# one xdist process idle for minutes at a time instead. `make test` runs `--dist loadscope`
+# (modules handed out longest first, tests/durations.py):
 # a module's tests stay in one xdist process, so a module that shares one engine among its
 # tests (cpu_hog_module) starts it once. (An xdist_group marker per engine is not applied
 # with pytest 9.2 and xdist 3.8: xdist renames `item._nodeid`, pytest 9 reads `item._id`.)
 ENGINE_NICE = 10
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Longest modules first (tests/durations.py): xdist then hands out the long real-engine
+    # modules while the short ones are left to fill in around them.
+    items[:] = durations.longest_first(items, durations.load())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
