@@ -5,9 +5,7 @@ start-up, and the end-to-end phases after generation (records, prepare, extracti
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -42,12 +40,9 @@ class Server:
     start_s: float
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
+        from datagen.extraction.backends.vllm import stop_group
+
+        stop_group(self.proc)
 
 
 def start_server(python: str, model: Path, log: Path, max_model_len: int, dtype: str,
@@ -55,7 +50,8 @@ def start_server(python: str, model: Path, log: Path, max_model_len: int, dtype:
                  ) -> Server:
     """The generation server DESIGN.md describes (token API, no tokenizer), plus
     ``extra_args`` (capture.server_args for capture on); ready when /health answers."""
-    from cli.vllm import launch_argv, launch_env, launcher_argv
+    from cli.vllm import launch_argv, launcher_argv
+    from datagen.extraction.backends.vllm import engine_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,7 +59,7 @@ def start_server(python: str, model: Path, log: Path, max_model_len: int, dtype:
     argv = launch_argv(model, port, max_model_len, dtype,
                        ["--served-model-name", "tiny", *extra_args], python)
     # the same KV-cache memory for both servers, so their token capacities compare
-    env = dict(launch_env(), VLLM_CPU_KVCACHE_SPACE=kv_cache_gib)
+    env = dict(engine_env(), VLLM_CPU_KVCACHE_SPACE=kv_cache_gib)
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log, "ab") as fh:

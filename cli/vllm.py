@@ -55,16 +55,6 @@ def launch_argv(model_dir: Path, port: int, max_model_len: int, dtype: str,
             "--enable-scale-out", "--enforce-eager", *extra]
 
 
-def launch_env() -> dict[str, str]:
-    """Its environment: a KV cache that fits beside other work, log lines as they come (not
-    when a buffer fills: tests wait on them), the connector importable from this checkout."""
-    from datagen.extraction.backends.vllm import CPU_KV_CACHE_GIB  # noqa: PLC0415 (torch)
-
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=CPU_KV_CACHE_GIB, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
 def launcher_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` under the `vllm` backend's launcher: one process group, ended with this
     process."""
@@ -80,5 +70,7 @@ def start_vllm(model_dir: Path, log_dir: Path, max_model_len: int, output_dir: P
     port = free_port()
     argv = launch_argv(model_dir, port, max_model_len, dtype,
                        capture.server_args(str(model_dir), output_dir, dtype))
-    proc = Process("vllm", launcher_argv(argv), log_dir / "vllm.log", launch_env())
+    from datagen.extraction.backends.vllm import engine_env  # noqa: PLC0415 (torch)
+
+    proc = Process("vllm", launcher_argv(argv), log_dir / "vllm.log", engine_env())
     return proc, f"http://127.0.0.1:{port}"

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -20,19 +19,18 @@ import requests
 from conftest import wait_until
 from sglang_fixture import in_ci
 
+from cli import vllm as vllm_cli
 from cli.stack import REPO
-
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def vllm_python() -> str:
-    """Its Python; a host without it skips with one line, and in CI that is a failure."""
-    if not VLLM_PYTHON.is_file():
-        reason = f"no {VLLM_PYTHON.relative_to(REPO)}: `make vllm-env` installs vLLM's CPU build"
+    """Its Python (``cli.vllm``'s); a host without it skips with one line saying why, and in
+    CI that is a failure."""
+    if reason := vllm_cli.unavailable_reason():
         if in_ci():
             pytest.fail(f"CI must run the real-vLLM tests: {reason}", pytrace=False)
         pytest.skip(reason)
-    return str(VLLM_PYTHON)
+    return str(vllm_cli.vllm_python())
 
 
 @dataclass
@@ -76,12 +74,9 @@ class GenerationServer:
                 proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
+        from datagen.extraction.backends.vllm import stop_group
+
+        stop_group(self.proc)
 
 
 def start_generation_server(model: Path, log: Path, max_model_len: int,
@@ -92,7 +87,8 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
     greedy outputs equal transformers'; ready when /health answers 200. ``extra_args``:
     capture_states' (datagen.servers.capture.server_args), whose connector the server imports
     from this checkout."""
-    from cli.vllm import launch_argv, launch_env, launcher_argv
+    from cli.vllm import launch_argv, launcher_argv
+    from datagen.extraction.backends.vllm import engine_env
 
     vllm_python()  # skip (or fail in CI) without it
     with socket.socket() as s:
@@ -106,7 +102,7 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as fh:
         proc = subprocess.Popen(launcher_argv(argv), stdout=fh, stderr=subprocess.STDOUT,
-                                env=launch_env(), start_new_session=True)
+                                env=engine_env(), start_new_session=True)
     server = GenerationServer(f"http://127.0.0.1:{port}", proc, log, max_model_len)
 
     def ready() -> bool:

@@ -12,12 +12,29 @@ from config.settings import SettingsError, load_settings
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
 from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.vllm import (
+    CPU_KV_CACHE_GIB,
+    engine_env,
     engine_python,
     loss_spans,
     multimodal,
 )
 from datagen.servers.capture import vllm_capture
 from datagen.training.handoff import loss_mask
+
+
+def test_every_engine_gets_the_connector_unbuffered_logs_and_the_operators_kv_cache(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: no KV-cache setting, then an operator's
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = engine_env()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == CPU_KV_CACHE_GIB
+    assert env["PYTHONUNBUFFERED"] == "1"
+    root, other = env["PYTHONPATH"].split(":")
+    assert (Path(root) / "datagen" / "extraction" / "vllm_connector.py").is_file()
+    assert other == "/elsewhere"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "7")
+    assert engine_env()["VLLM_CPU_KVCACHE_SPACE"] == "7"
 
 
 def test_capture_ids_are_layer_inputs_distinct_and_slots_keep_the_files_order() -> None:

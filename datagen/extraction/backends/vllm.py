@@ -119,6 +119,20 @@ def repo_root() -> str:
     return str(Path(__file__).resolve().parents[3])
 
 
+def engine_env() -> dict[str, str]:
+    """The environment of every vLLM this project starts (this backend's engine, the
+    generation server of `SERVER=vllm`, the tests' and the bench's): the connector importable
+    from this checkout, log lines as they come (not in blocks: tests and operators wait on
+    them), and on the CPU build a KV cache of CPU_KV_CACHE_GIB unless the operator sets
+    one (vLLM's own default reserves 92% of the host's memory and refuses to start beside
+    anything else; GPU builds ignore the variable)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH")) if p)
+    return env
+
+
 class VLLMServer:
     """vLLM's OpenAI-compatible server in a process group of its own, ready on return."""
 
@@ -153,13 +167,7 @@ class VLLMServer:
         if multimodal(cfg.model_path) and "--limit-mm-per-prompt" not in opts.args:
             # text only: vLLM then never builds the vision tower (Kimi-K2.5's MoonViT)
             cmd += ["--limit-mm-per-prompt", json.dumps({m: 0 for m in MEDIA})]
-        env = dict(os.environ)
-        # vLLM's CPU build otherwise reserves 92% of the host's memory for its KV cache and
-        # refuses to start beside anything else; GPU builds ignore the variable
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # log lines as they come, not in blocks
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH"))
-                                            if p)
+        env = engine_env()
         log.info("starting vLLM (%s, TP %d) for %s; log: %s", python, opts.tensor_parallel,
                  cfg.model_path, self.log_path)
         with open(self.log_path, "ab") as fh:
@@ -205,12 +213,18 @@ class VLLMServer:
         return (errors[0] if errors else "\n".join(text[-15:])) + f" (log: {self.log_path})"
 
     def stop(self) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
+        stop_group(self.proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a vLLM started under LAUNCHER (its own process group: API server, engine core,
+    workers) and reap the launcher; nothing to do once it has exited."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def loss_spans(mask: Sequence[int]) -> list[list[int]]:
