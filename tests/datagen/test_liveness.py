@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 
+import pytest
 from conftest import wait_until
 
 from config.settings import Settings
@@ -89,3 +92,22 @@ def test_a_worker_cut_off_from_its_server_ends_its_leases_for_the_next_reap_pass
     assert set(led.in_flight("A")) == {"s1", "s2"}
     assert reap(led, requeued.append) == 2
     assert sorted(j.sample for j in requeued) == ["s1", "s2"]
+
+
+def test_a_beat_that_finds_the_fleet_s_contact_gone_says_reaping_waits_a_lease(
+        redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Given: a worker's heartbeat in touch with Redis (its first beat starts the contact)
+    led = Ledger(connect(redis_url), Settings(redis_url=redis_url, lease_s=6.0))
+    beat = Heartbeat(led, LeaseBook(led, "owner"), 6.0, lambda job: None)
+    with caplog.at_level(logging.WARNING, logger="datagen.generation.liveness"):
+        beat.beat()
+        beat.beat()
+        assert "reaping waits a lease" not in caplog.text
+
+        # When: no beat reached Redis for half a lease (the mark expired), then one does
+        led.r.delete(keys.CONTACT_SINCE)
+        beat._tick()  # the beat, then the reap pass that follows a beat that got through
+
+    # Then: one line says so, and this reaper looks again a lease from now, not before
+    assert caplog.text.count("no worker reached Redis for 3.0s; reaping waits a lease") == 1
+    assert time.monotonic() + 5.0 < beat._next_reap < time.monotonic() + 6.5
