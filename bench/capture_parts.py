@@ -19,6 +19,7 @@ import requests
 
 from datagen.client import SGLangClient, new_rid
 from datagen.servers import capture
+from datagen.servers.launch import engine_env, stop_group
 
 # vLLM 0.32, v1/core/kv_cache_utils.py update_kv_cache_capacity (its "GPU" is "CPU" here)
 KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) "
@@ -40,8 +41,6 @@ class Server:
     start_s: float
 
     def stop(self) -> None:
-        from datagen.extraction.backends.vllm import stop_group
-
         stop_group(self.proc)
 
 
@@ -51,7 +50,6 @@ def start_server(python: str, model: Path, log: Path, max_model_len: int, dtype:
     """The generation server DESIGN.md describes (token API, no tokenizer), plus
     ``extra_args`` (capture.server_args for capture on); ready when /health answers."""
     from cli.vllm import launch_argv, launcher_argv
-    from datagen.extraction.backends.vllm import engine_env
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

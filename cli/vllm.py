@@ -22,6 +22,7 @@ from pathlib import Path
 from cli.stack import REPO, Process
 from datagen.redis_server import free_port
 from datagen.servers import capture
+from datagen.servers.launch import LAUNCHER, engine_env
 
 PYTHON_ENV = "DATAGEN_VLLM_PYTHON"  # the vllm_python setting's variable
 DEFAULT_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -58,8 +59,6 @@ def launch_argv(model_dir: Path, port: int, max_model_len: int, dtype: str,
 def launcher_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` under the `vllm` backend's launcher: one process group, ended with this
     process."""
-    from datagen.extraction.backends.vllm import LAUNCHER  # noqa: PLC0415 (torch)
-
     return [argv[0], "-c", LAUNCHER, str(os.getpid()), *argv]
 
 
@@ -70,7 +69,5 @@ def start_vllm(model_dir: Path, log_dir: Path, max_model_len: int, output_dir: P
     port = free_port()
     argv = launch_argv(model_dir, port, max_model_len, dtype,
                        capture.server_args(str(model_dir), output_dir, dtype))
-    from datagen.extraction.backends.vllm import engine_env  # noqa: PLC0415 (torch)
-
     proc = Process("vllm", launcher_argv(argv), log_dir / "vllm.log", engine_env())
     return proc, f"http://127.0.0.1:{port}"

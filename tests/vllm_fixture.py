@@ -21,6 +21,7 @@ from sglang_fixture import in_ci
 
 from cli import vllm as vllm_cli
 from cli.stack import REPO
+from datagen.servers.launch import engine_env, stop_group
 
 
 def vllm_python() -> str:
@@ -74,8 +75,6 @@ class GenerationServer:
                 proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
-        from datagen.extraction.backends.vllm import stop_group
-
         stop_group(self.proc)
 
 
@@ -88,7 +87,6 @@ def start_generation_server(model: Path, log: Path, max_model_len: int,
     capture_states' (datagen.servers.capture.server_args), whose connector the server imports
     from this checkout."""
     from cli.vllm import launch_argv, launcher_argv
-    from datagen.extraction.backends.vllm import engine_env
 
     vllm_python()  # skip (or fail in CI) without it
     with socket.socket() as s:

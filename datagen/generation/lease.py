@@ -29,6 +29,10 @@ class LeaseBook:
         self._lock = threading.Lock()
         self._held: dict[tuple[str, str], str] = {}
         self._unreleased: list[tuple[str, str, str]] = []
+        self._lapsed: set[str] = set()  # rids of held leases ended by lapse()
+        # set by the heartbeat while the server cannot be reached from here: a lease taken
+        # then would only be ended, so none is used (the sample goes back to the queue)
+        self.server_lost = threading.Event()
 
     def hold(self, dataset: str, sample: str, rid: str) -> Lease:
         with self._lock:
@@ -39,6 +43,7 @@ class LeaseBook:
         with self._lock:
             if self._held.get((lease.dataset, lease.sample)) == lease.rid:
                 del self._held[(lease.dataset, lease.sample)]
+            self._lapsed.discard(lease.rid)
 
     def release_later(self, lease: Lease) -> None:
         with self._lock:
@@ -48,7 +53,15 @@ class LeaseBook:
         """End the leases held (or those given) now, without releasing them: the next reaper
         pass aborts their rids on the server and re-enqueues the samples. Returns how many."""
         held = self.held() if held is None else held
+        with self._lock:  # ended from here on, even when Redis does not hear it now
+            self._lapsed.update(rid for pairs in held.values() for _, rid in pairs)
         return self.ledger.renew(held, lease_s=0) if held else 0
+
+    def lapsed(self, rid: str) -> bool:
+        """Whether the lease of ``rid`` was ended by lapse() (the heartbeat's, when the server
+        was lost): a reaper re-runs its sample, so its own thread must not."""
+        with self._lock:
+            return rid in self._lapsed
 
     def held(self) -> dict[str, list[tuple[str, str]]]:
         out: dict[str, list[tuple[str, str]]] = defaultdict(list)

@@ -249,11 +249,12 @@ class Ledger:
         flat = self._run("reap", [*ks, keys.CONTACT_SINCE], [REAP_BATCH, min_contact_s])
         return [Reclaimed(dataset, *flat[i:i + 5]) for i in range(0, len(flat), 5)]
 
-    def contact(self, ttl_s: float) -> float:
+    def contact(self, ttl_s: float) -> tuple[float, bool]:
         """Mark the fleet's contact with Redis (contact.lua); returns how long (s, Redis
-        time) the current stretch of contact has lasted."""
-        since, now = self._run("contact", [keys.CONTACT_SINCE], [max(1, int(ttl_s * 1000))])
-        return float(now) - float(since)
+        time) the current stretch of contact has lasted, and whether this mark began it."""
+        since, now, began = self._run("contact", [keys.CONTACT_SINCE],
+                                      [max(1, int(ttl_s * 1000))])
+        return float(now) - float(since), bool(int(began))
 
     def unpark(self, dataset: str, count: int = 0) -> list[str]:
         """Wake ``count`` parked samples (0: all); returns their payloads to enqueue."""

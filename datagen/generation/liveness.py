@@ -107,8 +107,8 @@ class Heartbeat:
             woken = self.book.renew(held_too=not self._server_lost)
         for payload in woken:
             self.requeue(Job.from_payload(json.loads(payload)))
-        lasted = self.ledger.contact(self.lease_s / 2)
-        if lasted == 0 and self._fleet_since is not None:
+        lasted, began = self.ledger.contact(self.lease_s / 2)
+        if began and self._fleet_since is not None:
             log.warning("heartbeat: no worker reached Redis for %.1fs; reaping waits a lease "
                         "from now, so every live worker renews first", self.lease_s / 2)
         self._fleet_since = time.monotonic() - lasted
@@ -123,6 +123,8 @@ class Heartbeat:
             return ok
         with self._server_lock:
             self._server_lost = not ok
+            # before the leases end: a lease held after this is seen by its thread
+            (self.book.server_lost.clear if ok else self.book.server_lost.set)()
             if ok:
                 log.info("heartbeat: the server answers again; renewing leases")
             else:

@@ -175,9 +175,18 @@ def run_job(ctx: Context, job: Job) -> Outcome:
         try:
             with lease:
                 try:
-                    outcome = _generate_admitted(ctx, job, lease)
+                    if ctx.leases.server_lost.is_set():
+                        # the heartbeat lost the server after this task was taken (it stops
+                        # taking more): the sample goes back to the queue for a worker that
+                        # reaches its server, not as a request that could arrive after the
+                        # heal beside the reaper's re-run
+                        outcome = Outcome("requeue", detail="server lost from here")
+                    else:
+                        outcome = _generate_admitted(ctx, job, lease)
                 except ServerUnavailable:
-                    cut_off = not ctx.client.reachable()
+                    # a lease the heartbeat ended (the server lost) is a reaper's to re-run,
+                    # however the server answers now: a retry here would run it twice
+                    cut_off = ctx.leases.lapsed(rid) or not ctx.client.reachable()
                     if cut_off:
                         lease.abandon()
                     raise

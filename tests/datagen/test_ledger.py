@@ -277,15 +277,18 @@ def test_a_reap_waits_for_the_fleets_contact_with_redis_when_it_runs(redis_url: 
     # When/Then: a reap that needs a lease of contact reclaims nothing until there has been
     # that much, measured when the script runs
     assert led.reap("A", min_contact_s=0.5) == []
-    assert led.contact(ttl_s=5.0) < 0.1  # a beat starts the stretch of contact
+    lasted, began = led.contact(ttl_s=5.0)
+    assert began and lasted < 0.1  # a beat starts the stretch of contact
     assert led.reap("A", min_contact_s=0.5) == []
     time.sleep(0.6)
-    assert led.contact(ttl_s=5.0) >= 0.5  # later beats keep its start
+    lasted, began = led.contact(ttl_s=5.0)
+    assert not began and lasted >= 0.5  # later beats keep its start
     assert [r.sample for r in led.reap("A", min_contact_s=0.5)] == ["s1"]
     # ... and once no beat kept it alive, contact starts over
     led.r.pexpire(keys.CONTACT_SINCE, 1)
     time.sleep(0.05)
-    assert led.contact(ttl_s=5.0) < 0.1
+    lasted, began = led.contact(ttl_s=5.0)
+    assert began and lasted < 0.1
 
 
 def test_a_stale_entry_does_not_block_a_new_admission(redis_url: str) -> None:

@@ -111,3 +111,94 @@ def test_a_beat_that_finds_the_fleet_s_contact_gone_says_reaping_waits_a_lease(
     # Then: one line says so, and this reaper looks again a lease from now, not before
     assert caplog.text.count("no worker reached Redis for 3.0s; reaping waits a lease") == 1
     assert time.monotonic() + 5.0 < beat._next_reap < time.monotonic() + 6.5
+
+
+class BackAgain:
+    """A server client whose server answers again (its health probes pass)."""
+
+    base_url = "http://server-b"
+
+    def reachable(self) -> bool:
+        return True
+
+    def healthy(self) -> bool:
+        return True
+
+
+def test_a_request_whose_lease_ended_with_the_server_lost_is_left_to_the_reaper_when_it_is_back(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a worker's request in flight (lease 60 s, up to 3 retries) while its heartbeat
+    # finds the server lost (the leases end) and then back; the request's connection is dropped
+    # only after that (the old server's socket reset, as when a host is replaced)
+    from datagen.errors import ServerUnavailable
+    from datagen.generation import runner
+
+    lease_s = 60.0
+    settings = Settings(redis_url=redis_url, lease_s=lease_s, max_retries=3)
+    led = Ledger(connect(redis_url), settings)
+    led.register(["A"])
+    led.mark_run()
+    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
+    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    book = LeaseBook(led, "w1")
+    server = {"ok": True}
+    beat = Heartbeat(led, book, lease_s, lambda j: None, server_ok=lambda: server["ok"])
+    sent: list[str] = []
+
+    def generate(ctx: runner.Context, job: Job, lease: object) -> runner.Outcome:
+        sent.append(ctx.leases.held()["A"][0][1])
+        server["ok"] = False
+        assert beat.check_server() is False  # the leases end
+        server["ok"] = True
+        assert beat.check_server() is True  # answered again: the beats renew what is held
+        raise ServerUnavailable("Connection aborted: RemoteDisconnected")
+
+    monkeypatch.setattr(runner, "_generate_admitted", generate)
+    ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
+
+    # When: the request's thread sees its connection dropped
+    outcome = runner.run_job(ctx, job)
+
+    # Then: it does not send the sample again (a reaper does, once): its lease is ended and
+    # the sample still in flight under the one rid sent, for the next reap pass to abort and
+    # re-enqueue
+    assert outcome.status == "lapsing"
+    assert len(sent) == 1
+    assert {s: e["rid"] for s, e in led.in_flight("A").items()} == {"s1": sent[0]}
+    requeued: list[Job] = []
+    assert reap(led, requeued.append) == 1 and requeued == [job]
+
+
+def test_a_task_taken_after_the_server_was_lost_sends_nothing_and_goes_back_to_the_queue(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a worker whose heartbeat found the server lost (it stops consuming), and a task
+    # it had already taken
+    from datagen.generation import runner
+
+    settings = Settings(redis_url=redis_url, lease_s=60.0)
+    led = Ledger(connect(redis_url), settings)
+    led.register(["A"])
+    led.mark_run()
+    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
+    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    book = LeaseBook(led, "w1")
+    server = {"ok": False}
+    beat = Heartbeat(led, book, 60.0, lambda j: None, server_ok=lambda: server["ok"])
+    book.hold("A", "other", "r-other")  # a request in flight, so the watch probes
+    assert beat.check_server() is False
+    sent: list[Job] = []
+    monkeypatch.setattr(runner, "_generate_admitted",
+                        lambda ctx, job, lease: sent.append(job))  # type: ignore[func-returns-value]
+    ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
+
+    # When: the task runs
+    outcome = runner.run_job(ctx, job)
+
+    # Then: no request was sent (one sent now could reach the server after the heal, beside
+    # the reaper's re-run); the sample is handed back, not in flight; once the server
+    # answers again, tasks run
+    assert outcome.status == "requeue" and sent == []
+    assert "s1" not in led.in_flight("A")
+    server["ok"] = True
+    assert beat.check_server() is True
+    assert not book.server_lost.is_set()

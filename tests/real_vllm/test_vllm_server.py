@@ -53,7 +53,11 @@ from datagen.servers import KINDS
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.usefixtures("cpu_hog_module")]
 
-CONTEXT = 4096  # --max-model-len
+# --max-model-len: room for requests that cannot end before a test aborts them, however
+# starved the server is (a 4096 cap let a request end before a loaded 2-core CI machine's
+# abort reached the server's API process: ~12 s of decode)
+CONTEXT = 16384
+LONG = CONTEXT - 16  # max_tokens of a request a test aborts: a few minutes of decode here
 EOS = 2  # the tiny tokenizer's <|eot|>, the model's eos_token_id
 TIMEOUT = (10, 300)
 GENERATE, ABORT = "/inference/v1/generate", "/inference/v1/abort_requests"
@@ -233,7 +237,7 @@ def test_malformed_requests(pair: list[Target], body: dict) -> None:
 
 def test_an_abort_by_the_exact_id_it_runs_under(pair: list[Target]) -> None:
     def scenario(t: Target) -> dict:
-        rid, cap = rid_of("abort"), 3000
+        rid, cap = rid_of("abort"), LONG
         thread, out = in_flight(t, rid, cap)
         aborted = t.abort("generate-tokens-" + rid)
         thread.join(120)
@@ -338,7 +342,7 @@ def test_finish_reasons_in_sglang_s_shape(vllm: GenerationServer) -> None:
 def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> None:
     # (the abort is sent with the engine frozen once the request made 100 tokens: it is
     # surely mid-decode then, however slow the machine)
-    client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, 4000
+    client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, LONG
     made = vllm.metric("vllm:generation_tokens_total")
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(
         [1, 5, 6], {"max_new_tokens": cap, "ignore_eos": True}, rid)), daemon=True)
@@ -408,18 +412,18 @@ def test_a_worker_run_on_vllm_stores_each_sample_once_and_counts_its_tokens(
 
 def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
-    # Given: a worker with 4 requests running on the real server (capped at 3,000 tokens),
+    # Given: a worker with 4 requests running on the real server (capped at CONTEXT / 2),
     # abort_on_close on, and vLLM's engine frozen: however slow this machine, the 4 are
     # still in flight when the close comes. (Unfrozen, a loaded 2-core runner let them end
     # before the close's aborts were sent: the test then measured the machine.)
     from datagen.generation import guard
     from producers.producer import Producer
 
-    dataset = "B2_close"
+    dataset, cap = "B2_close", CONTEXT // 2
     settings = configure_on(
         stack, vllm, model[0], dataset, [(f"c{i}", f"Tell me about topic {i}") for i in range(8)],
         sampling_params={"temperature": 0, "ignore_eos": True}, short_concurrency=4,
-        short_max_tokens=3000, abort_on_close=True, precise_admission=False,
+        short_max_tokens=cap, abort_on_close=True, precise_admission=False,
         read_timeout_s=600.0, lease_s=60.0)
     stack.worker("short")
     stack.wait_workers(1)
@@ -450,7 +454,7 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
     assert worker_log.count("'discarded'") == 4
     assert not list(iter_records(records_dir(settings.output_dir, dataset)))
     snap = ledger.snapshot(dataset)
-    assert snap["tokens"] == 0 and int(snap["stats"].get("discarded_tokens", 0)) < 4 * 3000
+    assert snap["tokens"] == 0 and int(snap["stats"].get("discarded_tokens", 0)) < 4 * cap
     log = vllm.log.read_text(errors="replace")
     prefix = f"Added request generate-tokens-{rid_prefix(dataset)}"
     assert log.count(prefix) == len(rids)  # each once, and none after the close

@@ -11,14 +11,9 @@ import torch
 from config.settings import SettingsError, load_settings
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
 from datagen.extraction.backends.base import text_config
-from datagen.extraction.backends.vllm import (
-    CPU_KV_CACHE_GIB,
-    engine_env,
-    engine_python,
-    loss_spans,
-    multimodal,
-)
+from datagen.extraction.backends.vllm import engine_python, loss_spans, multimodal
 from datagen.servers.capture import vllm_capture
+from datagen.servers.launch import CPU_KV_CACHE_GIB, engine_env
 from datagen.training.handoff import loss_mask
 
 

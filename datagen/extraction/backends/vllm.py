@@ -34,7 +34,6 @@ import logging
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +49,7 @@ import torch
 from datagen.errors import EngineLost
 from datagen.extraction.backends.base import set_shape, text_config
 from datagen.servers.capture import vllm_capture
+from datagen.servers.launch import LAUNCHER, engine_env, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -57,25 +57,8 @@ SERVED_NAME = "datagen-target"
 CONNECTOR = "DatagenConnector"
 CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
 LOCK_POLL_S = 0.02
-CPU_KV_CACHE_GIB = "2"
 MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
 
-# The process-group keeper: the session leader of the server's group. It ends the whole group
-# when the process that started it dies (SIGTERM from PR_SET_PDEATHSIG), when asked (SIGTERM),
-# or when the server exits by itself. Standard library only (it runs in vLLM's environment).
-LAUNCHER = r"""
-import ctypes, os, signal, subprocess, sys
-def end(*_):
-    os.killpg(0, signal.SIGKILL)
-signal.signal(signal.SIGTERM, end)
-ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):
-    end()
-server = subprocess.Popen(sys.argv[2:])
-code = server.wait()
-print(f"vLLM server exited with {code}", file=sys.stderr, flush=True)
-end()
-"""
 
 
 @dataclass(frozen=True)
@@ -112,25 +95,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def repo_root() -> str:
-    """The folder holding the `datagen` package: the engine imports the connector from it."""
-    return str(Path(__file__).resolve().parents[3])
-
-
-def engine_env() -> dict[str, str]:
-    """The environment of every vLLM this project starts (this backend's engine, the
-    generation server of `SERVER=vllm`, the tests' and the bench's): the connector importable
-    from this checkout, log lines as they come (not in blocks: tests and operators wait on
-    them), and on the CPU build a KV cache of CPU_KV_CACHE_GIB unless the operator sets
-    one (vLLM's own default reserves 92% of the host's memory and refuses to start beside
-    anything else; GPU builds ignore the variable)."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root(), env.get("PYTHONPATH")) if p)
-    return env
 
 
 class VLLMServer:
@@ -214,17 +178,6 @@ class VLLMServer:
 
     def stop(self) -> None:
         stop_group(self.proc)
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a vLLM started under LAUNCHER (its own process group: API server, engine core,
-    workers) and reap the launcher; nothing to do once it has exited."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def loss_spans(mask: Sequence[int]) -> list[list[int]]:

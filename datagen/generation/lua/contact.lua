@@ -6,8 +6,9 @@
 -- live worker renews first. A reaper that starts while the fleet is in touch reaps at once.
 -- KEYS[1] contact-since key
 -- ARGV[1] ttl in ms
--- Returns {since, now} (Redis time, seconds, as strings).
+-- Returns {since, now, began} (Redis time, seconds, as strings; began 1 when this beat
+-- started a new stretch, else 0).
 local now = redis_now()
-redis.call('SET', KEYS[1], string.format('%.6f', now), 'NX')
+local began = redis.call('SET', KEYS[1], string.format('%.6f', now), 'NX') and 1 or 0
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return {redis.call('GET', KEYS[1]), string.format('%.6f', now)}
+return {redis.call('GET', KEYS[1]), string.format('%.6f', now), began}
