@@ -324,7 +324,7 @@ def rank_run(args: argparse.Namespace) -> dict | None:
             follow(backend, group, DTYPES[args.dtype])
             return None
         gpu = Gpu(device)
-        with Extractor(cfg, backend=Leader(backend, group)) as ex:
+        with Extractor(cfg, backend=Leader(backend, group, timedelta(minutes=10))) as ex:
             phases = {"forward": phase_forward(ex, samples, gpu)}
             phases["pipeline"] = phase_pipeline(ex, samples, work, gpu)
     finally:
