@@ -180,3 +180,20 @@ def test_bench_fleet_scale_measures_a_whole_run_across_hosts(
     assert [p.name for p in tmp_path.iterdir()] == ["fleet.json"]
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     assert f"dgn{data['bench_pid']}-" not in namespaces.stdout
+
+
+@pytest.mark.parametrize("backend", [[], ["--backend", "hf-tp", "--ranks", "2"]],
+                         ids=["hf", "hf-tp-2-ranks"])
+def test_bench_extract_measures_the_forward_and_the_pipeline(tmp_path: Path,
+                                                             backend: list[str]) -> None:
+    # bench/device_extract.sh's two runs, tiny and on the CPU (the replica's over gloo)
+    out = tmp_path / "extract.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.bench_extract", "--tiny", "--n-samples", "4",
+         "--naive-samples", "1", "--work-dir", str(tmp_path), *backend, "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["forward"]["tokens"] == phases["pipeline"]["tokens"] > 0
+    assert phases["pipeline"]["tokens_per_s"] > 0 and phases["forward"]["tokens_per_s"] > 0
+    assert phases["pipeline"]["disk_bytes_per_token"] > 0  # the files were written

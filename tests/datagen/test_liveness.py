@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 import pytest
 from conftest import wait_until
@@ -125,6 +126,25 @@ class BackAgain:
         return True
 
 
+def worker_with_one_task(redis_url: str, server: dict[str, bool]
+                         ) -> tuple[Any, Ledger, Job, Heartbeat]:
+    """A worker process's context (lease 60 s, up to 3 retries, a server client whose
+    health probes pass), its heartbeat probing ``server["ok"]``, and one task of dataset A
+    pending."""
+    from datagen.generation import runner
+
+    settings = Settings(redis_url=redis_url, lease_s=60.0, max_retries=3)
+    led = Ledger(connect(redis_url), settings)
+    led.register(["A"])
+    led.mark_run()
+    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
+    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    book = LeaseBook(led, "w1")
+    beat = Heartbeat(led, book, settings.lease_s, lambda j: None, server_ok=lambda: server["ok"])
+    ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
+    return ctx, led, job, beat
+
+
 def test_a_request_whose_lease_ended_with_the_server_lost_is_left_to_the_reaper_when_it_is_back(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Given: a worker's request in flight (lease 60 s, up to 3 retries) while its heartbeat
@@ -133,16 +153,8 @@ def test_a_request_whose_lease_ended_with_the_server_lost_is_left_to_the_reaper_
     from datagen.errors import ServerUnavailable
     from datagen.generation import runner
 
-    lease_s = 60.0
-    settings = Settings(redis_url=redis_url, lease_s=lease_s, max_retries=3)
-    led = Ledger(connect(redis_url), settings)
-    led.register(["A"])
-    led.mark_run()
-    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
-    led.add_pending("A", {"s1": json.dumps(job.payload())})
-    book = LeaseBook(led, "w1")
     server = {"ok": True}
-    beat = Heartbeat(led, book, lease_s, lambda j: None, server_ok=lambda: server["ok"])
+    ctx, led, job, beat = worker_with_one_task(redis_url, server)
     sent: list[str] = []
 
     def generate(ctx: runner.Context, job: Job, lease: object) -> runner.Outcome:
@@ -154,7 +166,6 @@ def test_a_request_whose_lease_ended_with_the_server_lost_is_left_to_the_reaper_
         raise ServerUnavailable("Connection aborted: RemoteDisconnected")
 
     monkeypatch.setattr(runner, "_generate_admitted", generate)
-    ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
 
     # When: the request's thread sees its connection dropped
     outcome = runner.run_job(ctx, job)
@@ -175,21 +186,14 @@ def test_a_task_taken_after_the_server_was_lost_sends_nothing_and_goes_back_to_t
     # it had already taken
     from datagen.generation import runner
 
-    settings = Settings(redis_url=redis_url, lease_s=60.0)
-    led = Ledger(connect(redis_url), settings)
-    led.register(["A"])
-    led.mark_run()
-    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
-    led.add_pending("A", {"s1": json.dumps(job.payload())})
-    book = LeaseBook(led, "w1")
     server = {"ok": False}
-    beat = Heartbeat(led, book, 60.0, lambda j: None, server_ok=lambda: server["ok"])
+    ctx, led, job, beat = worker_with_one_task(redis_url, server)
+    book = ctx.leases
     book.hold("A", "other", "r-other")  # a request in flight, so the watch probes
     assert beat.check_server() is False
     sent: list[Job] = []
     monkeypatch.setattr(runner, "_generate_admitted",
                         lambda ctx, job, lease: sent.append(job))  # type: ignore[func-returns-value]
-    ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
 
     # When: the task runs
     outcome = runner.run_job(ctx, job)
