@@ -53,8 +53,10 @@ class LeaseBook:
         """End the leases held (or those given) now, without releasing them: the next reaper
         pass aborts their rids on the server and re-enqueues the samples. Returns how many."""
         held = self.held() if held is None else held
-        with self._lock:  # ended from here on, even when Redis does not hear it now
-            self._lapsed.update(rid for pairs in held.values() for _, rid in pairs)
+        with self._lock:  # ended from here on, even when Redis does not hear it now;
+            # a lease already forgotten (abandon) has no thread left to tell
+            self._lapsed.update(rid for dataset, pairs in held.items() for sample, rid in pairs
+                                if self._held.get((dataset, sample)) == rid)
         return self.ledger.renew(held, lease_s=0) if held else 0
 
     def lapsed(self, rid: str) -> bool:

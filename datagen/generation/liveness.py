@@ -72,7 +72,6 @@ class Heartbeat:
         # stranded requests there by rid.
         self.server_ok = server_ok
         self.on_server = on_server  # told False when the server is lost, True when back
-        self._server_lost = False
         self._server_lock = threading.Lock()  # a renewal never follows the end of a lease
         self._stop = threading.Event()
         self._in_touch = False  # the last beat reached Redis
@@ -82,6 +81,11 @@ class Heartbeat:
                                         daemon=True)
         self._watcher = threading.Thread(target=self._watch, name="datagen-server-watch",
                                          daemon=True)
+
+    @property
+    def _lost(self) -> bool:
+        """Whether the server was last found lost (the book's flag, which its threads read)."""
+        return self.book.server_lost.is_set()
 
     def start(self) -> None:
         self._tick()
@@ -102,9 +106,9 @@ class Heartbeat:
         when the fleet has been in touch."""
         self.ledger.r.set(keys.worker_alive(self.book.owner), "1", px=int(self.lease_s * 1000))
         with self._server_lock:
-            if self._server_lost:
+            if self._lost:
                 self.book.lapse()
-            woken = self.book.renew(held_too=not self._server_lost)
+            woken = self.book.renew(held_too=not self._lost)
         for payload in woken:
             self.requeue(Job.from_payload(json.loads(payload)))
         lasted, began = self.ledger.contact(self.lease_s / 2)
@@ -116,14 +120,13 @@ class Heartbeat:
     def check_server(self) -> bool:
         """Probe the server while requests are held (or it was lost); on a change, one line,
         the leases ended (when lost) and ``on_server`` told. Returns whether it is reached."""
-        if self.server_ok is None or not (self.book.held() or self._server_lost):
+        if self.server_ok is None or not (self.book.held() or self._lost):
             return True
         ok = self.server_ok()
-        if ok != self._server_lost:
+        if ok != self._lost:
             return ok
         with self._server_lock:
-            self._server_lost = not ok
-            # before the leases end: a lease held after this is seen by its thread
+            # set before the leases end: a lease held after this is seen by its thread
             (self.book.server_lost.clear if ok else self.book.server_lost.set)()
             if ok:
                 log.info("heartbeat: the server answers again; renewing leases")
@@ -180,7 +183,7 @@ class Heartbeat:
         """Reap if a lease is past its deadline (under the reaper lock), then set when to
         look next: the earliest deadline still ahead, or the lock's end."""
         now = time.monotonic()
-        if self._server_lost:  # its aborts could not reach the server: others reap, or this
+        if self._lost:  # its aborts could not reach the server: others reap, or this
             self._next_reap = float("inf")  # one at its first beat once the server is back
             return
         if not self._in_touch or self._fleet_since is None:

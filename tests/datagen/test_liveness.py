@@ -176,6 +176,7 @@ def test_a_request_whose_lease_ended_with_the_server_lost_is_left_to_the_reaper_
     assert outcome.status == "lapsing"
     assert len(sent) == 1
     assert {s: e["rid"] for s, e in led.in_flight("A").items()} == {"s1": sent[0]}
+    assert not ctx.leases.lapsed(sent[0])  # the book keeps nothing of a lease it let go
     requeued: list[Job] = []
     assert reap(led, requeued.append) == 1 and requeued == [job]
 
