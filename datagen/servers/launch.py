@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -27,6 +28,13 @@ code = server.wait()
 print(f"vLLM server exited with {code}", file=sys.stderr, flush=True)
 end()
 """
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's pick)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def repo_root() -> str:

@@ -7,16 +7,14 @@ check both virtualenvs, which the suite has already.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from demo_runner import run_demo
 from sglang_fixture import skip_or_fail
 
 from cli import sglang, sglang_log
-from cli.stack import REPO
 from datagen.generation.records import iter_records
 
 
@@ -25,18 +23,9 @@ from datagen.generation.records import iter_records
 def test_the_demo_generates_with_a_real_sglang_and_extracts(tmp_path: Path) -> None:
     if sglang.unavailable_reason():
         skip_or_fail(str(sglang.unavailable_reason()))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
     work = tmp_path / "demo"
-    # On a timeout the demo gets SIGTERM, so it stops its server and workers before it exits.
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "demo", "--server", "sglang",
-                             "--workdir", str(work)], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        stdout, stderr = proc.communicate(timeout=2300)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        stdout, stderr = proc.communicate(timeout=120)
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    result = run_demo([sys.executable, "-m", "cli.main", "demo", "--server", "sglang",
+                       "--workdir", str(work)], timeout_s=2300)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
     assert "SGLang healthy" in result.stdout and "demo finished" in result.stdout, out[-3000:]

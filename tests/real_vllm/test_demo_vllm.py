@@ -5,25 +5,21 @@ loadscope` may run the two long demos side by side.)"""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from demo_runner import run_demo
 from vllm_fixture import vllm_python
-
-from cli.stack import REPO
 
 
 @pytest.mark.timeout(1500)
 @pytest.mark.usefixtures("cpu_hog")
 def test_make_demo_extracts_on_vllm(tmp_path: Path) -> None:
     vllm_python()  # skips (fails in CI) without .venv-vllm
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
     work = tmp_path / "demo"
-    result = subprocess.run(["make", "demo", "EXTRACT=vllm", f"ARGS=--workdir {work}"],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=1400)
+    result = run_demo(["make", "demo", "EXTRACT=vllm", f"ARGS=--workdir {work}"], timeout_s=1400)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert "through a real vLLM engine" in result.stdout
     assert "demo finished" in result.stdout and "specforge train" in result.stdout

@@ -4,8 +4,6 @@ captures the states, and the training folder built from them with no extraction 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from demo_runner import demo_env, run_demo
 from vllm_fixture import vllm_python
 
 from cli.saved import saved_ledger
@@ -23,7 +22,7 @@ from datagen.servers import capture
 
 
 def test_the_vllm_demo_without_vllm_says_why_in_one_line(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
+    env = demo_env()
     env["DATAGEN_VLLM_PYTHON"] = str(tmp_path / "no-venv" / "bin" / "python")
     result = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--server", "vllm",
                              "--workdir", str(tmp_path / "demo")], cwd=REPO, env=env,
@@ -41,22 +40,11 @@ def test_the_vllm_demo_without_vllm_says_why_in_one_line(tmp_path: Path) -> None
 def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass(
         tmp_path: Path) -> None:
     vllm_python()  # skips (fails in CI) without .venv-vllm
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")}
     work = tmp_path / "demo"
     # When: `make demo SERVER=vllm` runs (its virtualenvs are the suite's, already made)
     started = time.monotonic()
-    # (in a session of its own: on a timeout the whole group, the demo under make with it, is
-    # sent SIGTERM, so the demo stops its vLLM as on an operator's Ctrl-C)
-    proc = subprocess.Popen(["make", "demo", "SERVER=vllm", f"ARGS=--workdir {work}"],
-                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=1400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=120)
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    out = stdout + stderr
+    result = run_demo(["make", "demo", "SERVER=vllm", f"ARGS=--workdir {work}"], timeout_s=1400)
+    stdout, out = result.stdout, result.stdout + result.stderr
     took_s = time.monotonic() - started
     assert result.returncode == 0, out[-4000:]
     assert "vLLM healthy" in stdout and "demo finished" in stdout, out[-3000:]

@@ -49,7 +49,7 @@ import torch
 from datagen.errors import EngineLost
 from datagen.extraction.backends.base import set_shape, text_config
 from datagen.servers.capture import vllm_capture
-from datagen.servers.launch import LAUNCHER, engine_env, stop_group
+from datagen.servers.launch import LAUNCHER, engine_env, free_port, stop_group
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +91,11 @@ def multimodal(model_path: str) -> bool:
     return "vision_config" in config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class VLLMServer:
     """vLLM's OpenAI-compatible server in a process group of its own, ready on return."""
 
     def __init__(self, cfg: Any, opts: EngineOptions, aux_ids: Sequence[int], num_layers: int):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         out = Path(cfg.output_dir).resolve()
         out.mkdir(parents=True, exist_ok=True)
