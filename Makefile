@@ -32,8 +32,9 @@ help: ## list the targets
 # Every uv install compiles its bytecode (--compile-bytecode): uv writes no .pyc by default,
 # and where PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines) Python never
 # writes them either, so each process compiled every module it imported, every time. Measured
-# on 2 cores: importing SGLang's HTTP server 34.4 s without .pyc, 13.5 s with; vLLM's
-# 17.6 s / 8.2 s; transformers' Llama 5.9 s / 4.0 s. Compiling costs ~90 s once per install.
+# on 2 cores (bench/bench_imports.py, docs/BENCHMARKS.md "Bytecode"): SGLang's HTTP server
+# imports in 12.4 s instead of 27.6 s, vLLM's in 8.2 s instead of 16.9 s. Compiling costs
+# ~45 s for .venv-sglang and ~20 s for .venv-vllm, once per install.
 $(VENV)/.installed: pyproject.toml requirements/lock.txt requirements/specforge-readers.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip "$(UV)"
@@ -51,9 +52,9 @@ $(VENV)/.installed: pyproject.toml requirements/lock.txt requirements/specforge-
 install: $(VENV)/.installed ## create .venv and install the project with its test tools
 
 # SGLang 0.5.23 exactly as locked, with its own torch (PyPI's CUDA build, which runs on a CPU):
-# ~9.5 GB, about a minute with uv.
+# ~10.6 GB; seconds from uv's warm cache, then ~45 s to compile its bytecode.
 $(SGLANG_VENV)/.installed: requirements/sglang-lock.txt | $(VENV)/.installed
-	@echo "installing SGLang 0.5.23 into $(SGLANG_VENV) (once): ~9.5 GB on disk with its own torch"
+	@echo "installing SGLang 0.5.23 into $(SGLANG_VENV) (once): ~10.6 GB on disk with its own torch"
 	rm -rf $(SGLANG_VENV)
 	$(VENV)/bin/uv venv -q --python $(PYTHON) $(SGLANG_VENV)
 	$(VENV)/bin/uv pip install -q --python $(SGLANG_VENV)/bin/python --no-deps --compile-bytecode \
@@ -69,9 +70,9 @@ sglang-lock: ## re-pin requirements/sglang-lock.txt from a fresh `uv pip install
 		--python /tmp/datagen-sglang-lock/bin/python; } > requirements/sglang-lock.txt.new
 	mv requirements/sglang-lock.txt.new requirements/sglang-lock.txt
 
-# vLLM 0.32's CPU build exactly as locked: ~3.1 GB, seconds with uv from a warm cache.
+# vLLM 0.32's CPU build exactly as locked: ~3.0 GB, seconds with uv from a warm cache.
 $(VLLM_VENV)/.installed: requirements/vllm-lock.txt | $(VENV)/.installed
-	@echo "installing vLLM 0.32 (CPU build) into $(VLLM_VENV) (once): ~3.1 GB on disk with its own torch"
+	@echo "installing vLLM 0.32 (CPU build) into $(VLLM_VENV) (once): ~3.0 GB on disk with its own torch"
 	rm -rf $(VLLM_VENV)
 	$(VENV)/bin/uv venv -q --python $(PYTHON) $(VLLM_VENV)
 	$(VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --no-deps --compile-bytecode \

@@ -109,7 +109,7 @@ def _refusal(server: str, extract: str) -> str | None:
                 "pass runs: --extract vllm does not apply")
     if extract == "vllm" and not VLLM_PYTHON.is_file():
         return (f"demo --extract vllm: no {VLLM_PYTHON}; `make vllm-env` installs vLLM's CPU "
-                "build there (~3.1 GB)")
+                "build there (~3.0 GB)")
     return None
 
 

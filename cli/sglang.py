@@ -2,7 +2,7 @@
 
 SGLang 0.5.23 serves a tiny random Llama on a CPU-only machine (measured: start-up 1-3 min
 on 2 cores, ~4 GB of RSS, ~200 tokens/s for one request). It lives in a virtualenv of its
-own (``make sglang-env``: ~9.5 GB, its own torch and transformers), so it never constrains
+own (``make sglang-env``: ~10.6 GB, its own torch and transformers), so it never constrains
 the project's. Two things make it run without CUDA:
 
 - ``SGLANG_USE_CPU_ENGINE=1``, without which it looks for a GPU;

@@ -39,7 +39,7 @@ def unavailable_reason() -> str | None:
     python = vllm_python()
     if not python.is_file():
         return (f"no vLLM virtualenv at {python} (make vllm-env installs vLLM {VLLM_VERSION}'s "
-                f"CPU build in .venv-vllm, ~3.1 GB; {PYTHON_ENV} names another interpreter)")
+                f"CPU build in .venv-vllm, ~3.0 GB; {PYTHON_ENV} names another interpreter)")
     if not any((python.parent.parent / "lib").glob("python3*/site-packages/vllm")):
         return f"{python} has no vllm package (make vllm-env)"
     return None

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sglang_fixture import skip_or_fail
+from vllm_fixture import vllm_python
 
+from cli import sglang
 from cli.stack import REPO
 
 
@@ -197,3 +201,34 @@ def test_bench_extract_measures_the_forward_and_the_pipeline(tmp_path: Path,
     assert phases["forward"]["tokens"] == phases["pipeline"]["tokens"] > 0
     assert phases["pipeline"]["tokens_per_s"] > 0 and phases["forward"]["tokens_per_s"] > 0
     assert phases["pipeline"]["disk_bytes_per_token"] > 0  # the files were written
+
+
+def test_bench_imports_times_a_worker_s_imports_with_and_without_bytecode(
+        tmp_path: Path) -> None:
+    out = tmp_path / "imports.json"
+    result = subprocess.run([sys.executable, "bench/bench_imports.py", "--only", "worker",
+                             "--rounds", "1", "--out", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["cases"]
+    assert row["case"] == "worker" and row["compiled_s"][0] > 0 and row["source_s"][0] > 0
+    assert "| worker |" in result.stdout
+
+
+@pytest.mark.parametrize("venv", ["project", "sglang", "vllm"])
+def test_every_virtualenv_holds_the_bytecode_of_what_its_processes_import(venv: str) -> None:
+    # `make install`/`sglang-env`/`vllm-env` compile at install (uv --compile-bytecode): where
+    # PYTHONDONTWRITEBYTECODE is set, a venv without .pyc compiles on every import
+    # (bench/bench_imports.py: 2.2x the time for SGLang's server)
+    if venv == "sglang" and (reason := sglang.unavailable_reason()):
+        skip_or_fail(reason)
+    python, package = {"project": (sys.executable, "transformers"),
+                       "sglang": (str(sglang.sglang_python()), "sglang"),
+                       "vllm": (vllm_python() if venv == "vllm" else "", "vllm")}[venv]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    found = subprocess.run(
+        [python, "-c", "import importlib.util as u, sys; s = u.find_spec(sys.argv[1]); "
+         "print(s.origin); print(u.cache_from_source(s.origin))", package],
+        env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    source, compiled = map(Path, found)
+    assert source.is_file() and compiled.is_file(), f"no bytecode for {source}: {compiled}"

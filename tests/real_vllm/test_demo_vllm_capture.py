@@ -30,7 +30,7 @@ def test_the_vllm_demo_without_vllm_says_why_in_one_line(tmp_path: Path) -> None
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stdout.strip() == (
         f"demo --server vllm: no vLLM virtualenv at {env['DATAGEN_VLLM_PYTHON']} (make "
-        "vllm-env installs vLLM 0.32's CPU build in .venv-vllm, ~3.1 GB; DATAGEN_VLLM_PYTHON "
+        "vllm-env installs vLLM 0.32's CPU build in .venv-vllm, ~3.0 GB; DATAGEN_VLLM_PYTHON "
         "names another interpreter)")
     assert not (tmp_path / "demo").exists()  # nothing started
 
