@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,26 +57,81 @@ class GenerationServer:
         return f"Added request generate-tokens-{rid}" in self.log.read_text(errors="replace")
 
     @contextmanager
-    def engine_frozen(self) -> Iterator[None]:
+    def engine_frozen(self) -> Iterator[FrozenEngine]:
         """The engine core (every process under the API server) stopped with SIGSTOP, the API
         server left running: requests stay in flight however long the test takes, and what
-        the API server is sent (an abort) waits in the engine's queue until SIGCONT."""
+        the API server is sent (an abort) waits in the engine's queue until SIGCONT. The
+        engine then runs only in the steps the test lets it take (``FrozenEngine.step_until``)."""
         import psutil
 
         launcher = psutil.Process(self.proc.pid)
         api = next(p for p in launcher.children() if "api_server" in " ".join(p.cmdline()))
-        engine = api.children(recursive=True)
-        assert engine, "the vLLM API server has no engine process"
-        for proc in engine:
-            proc.send_signal(signal.SIGSTOP)
+        engine = FrozenEngine(api.children(recursive=True))
+        assert engine.procs, "the vLLM API server has no engine process"
+        engine.stop()
         try:
-            yield
+            yield engine
         finally:
-            for proc in engine:
-                proc.send_signal(signal.SIGCONT)
+            engine.go()
 
     def stop(self) -> None:
         stop_group(self.proc)
+
+
+@dataclass
+class FrozenEngine:
+    """vLLM's engine processes, stopped (SIGSTOP) but for the moments a test lets them run.
+
+    A test that waits for a request to be mid-decode and then freezes the engine depends on
+    the machine. On these 2-core machines a decoding CPU engine beside other load kept
+    every other process that slept from waking for as long as it decoded (16-35 s, even
+    with the engine at nice 19; measured 2026-12-05), so such a test saw its request end
+    before it could freeze the engine. Frozen from the start and asked only while stopped,
+    the engine cannot end a request unseen; each step it takes is ended by a thread at a
+    real-time priority (as root, as CI runs), which wakes on time however busy the engine
+    keeps the cores."""
+
+    procs: list[Any]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGSTOP)
+        # stopped once the kernel says so, not once the signal is sent
+        wait_until(lambda: all(p.status() == "stopped" for p in self.procs), 60, 0.005,
+                   what="vLLM's engine to stop")
+
+    def go(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGCONT)
+
+    def step_until(self, done: Callable[[], bool], timeout_s: float, what: str,
+                   step_s: float = 0.05) -> None:
+        """Lets the engine run ``step_s`` at a time until ``done()``, which is asked only while
+        the engine is stopped; the engine is stopped when this returns."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            with _real_time():
+                self.go()
+                time.sleep(step_s)
+                for proc in self.procs:
+                    proc.send_signal(signal.SIGSTOP)
+            self.stop()
+
+
+@contextmanager
+def _real_time() -> Iterator[None]:
+    """This thread at SCHED_FIFO for the block (as root; otherwise as it was)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def start_generation_server(model: Path, log: Path, max_model_len: int,

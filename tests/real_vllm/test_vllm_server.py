@@ -12,8 +12,9 @@ here (nothing downloaded). What is checked:
   from it, the kind detected from it;
 - a real Celery worker run end to end on it (``datagen run``): every sample stored once,
   the ledger's tokens the sum of the records' completion tokens; an operator's close with
-  abort_on_close, the engine frozen (SIGSTOP) while it comes so the requests are surely in
-  flight: vLLM aborts each of the 4 by its id and none runs on; a worker SIGKILLed
+  abort_on_close, the engine frozen (SIGSTOP) from before the requests are sent and run
+  only in steps the test takes, so the requests are surely in flight when the close
+  comes: vLLM aborts each of the 4 by its id and none runs on; a worker SIGKILLed
   mid-request and a restart: the killed requests end on vLLM, each sample runs once more
   only where reaped, and is counted once.
 
@@ -53,11 +54,11 @@ from datagen.servers import KINDS
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.usefixtures("cpu_hog_module")]
 
-# --max-model-len: room for requests that cannot end before a test aborts them, however
-# starved the server is (a 4096 cap let a request end before a loaded 2-core CI machine's
-# abort reached the server's API process: ~12 s of decode)
+# --max-model-len: room for long requests. No length keeps a request in flight for a test
+# that aborts it (16,368 tokens decoded in ~32 s at ~500 tokens/s on a loaded 2-core CI
+# machine, 2026-12-04): those tests hold vLLM's engine stopped (FrozenEngine) instead.
 CONTEXT = 16384
-LONG = CONTEXT - 16  # max_tokens of a request a test aborts: a few minutes of decode here
+LONG = CONTEXT - 16  # max_tokens of a request a test aborts
 EOS = 2  # the tiny tokenizer's <|eot|>, the model's eos_token_id
 TIMEOUT = (10, 300)
 GENERATE, ABORT = "/inference/v1/generate", "/inference/v1/abort_requests"
@@ -340,17 +341,19 @@ def test_finish_reasons_in_sglang_s_shape(vllm: GenerationServer) -> None:
 
 
 def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> None:
-    # (the abort is sent with the engine frozen once the request made 100 tokens: it is
-    # surely mid-decode then, however slow the machine)
+    # (the engine is frozen before the request is sent and runs only in steps until the
+    # request made 100 tokens; the abort is sent with it stopped: the request is surely
+    # mid-decode then, however slow or starved the machine)
     client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, LONG
     made = vllm.metric("vllm:generation_tokens_total")
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(
         [1, 5, 6], {"max_new_tokens": cap, "ignore_eos": True}, rid)), daemon=True)
-    thread.start()
-    wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to run")
-    wait_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 100, 120, 0.05,
-               what="it to decode 100 tokens")
-    with vllm.engine_frozen():
+    with vllm.engine_frozen() as engine:
+        thread.start()
+        wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to reach vLLM")
+        engine.step_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 100,
+                          600, what="it to decode 100 tokens")
+        assert thread.is_alive() and not out
         client.abort(rid)
         wait_until(lambda: aborted(vllm, {rid}), 60, 0.05, what="vLLM to take the abort")
     asked = time.monotonic()
@@ -413,9 +416,11 @@ def test_a_worker_run_on_vllm_stores_each_sample_once_and_counts_its_tokens(
 def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
     # Given: a worker with 4 requests running on the real server (capped at CONTEXT / 2),
-    # abort_on_close on, and vLLM's engine frozen: however slow this machine, the 4 are
-    # still in flight when the close comes. (Unfrozen, a loaded 2-core runner let them end
-    # before the close's aborts were sent: the test then measured the machine.)
+    # abort_on_close on. vLLM's engine is frozen before they are sent and runs only in steps
+    # until they decode: however slow or starved this machine, the 4 are still in flight
+    # when the close comes. (Unfrozen, a loaded 2-core runner let them end before the close's
+    # aborts were sent; frozen only once they ran, a test process starved for 30 s saw
+    # them end before the freeze: the test then measured the machine.)
     from datagen.generation import guard
     from producers.producer import Producer
 
@@ -428,15 +433,18 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
     stack.worker("short")
     stack.wait_workers(1)
     ledger, app = stack.ledger(), stack.app()
-    Producer(settings, app, ledger).run()
-    wait_until(lambda: len(ledger.in_flight(dataset)) == 4 and all(
-        vllm.added(e["rid"]) for e in ledger.in_flight(dataset).values()), 120, 0.05,
-        what="4 requests running on vLLM")
+    made = vllm.metric("vllm:generation_tokens_total")
+    with vllm.engine_frozen() as engine:
+        Producer(settings, app, ledger).run()
+        wait_until(lambda: len(ledger.in_flight(dataset)) == 4 and all(
+            vllm.added(e["rid"]) for e in ledger.in_flight(dataset).values()), 600, 0.05,
+            what="4 requests sent to vLLM")
+        engine.step_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 40,
+                          600, what="the 4 to decode")
 
-    # When: an operator closes the dataset while they run
-    with vllm.engine_frozen():
+        # When: an operator closes the dataset while they run
         rids = {e["rid"] for e in ledger.in_flight(dataset).values()}
-        assert len(rids) == 4, "a request ended before the engine was frozen"
+        assert len(rids) == 4, "a request ended while the engine was stopped"
         assert guard.close(app, ledger, dataset, "operator", abort_in_flight=True)
         wait_until(lambda: aborted(vllm, rids) == rids, 60, 0.1,
                    what="vLLM's API server to take the 4 aborts")
