@@ -55,7 +55,7 @@ from datagen.servers import KINDS
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.usefixtures("cpu_hog_module")]
 
 # --max-model-len: room for long requests. No length keeps a request in flight for a test
-# that aborts it (16,368 tokens decoded in ~32 s at ~500 tokens/s on a loaded 2-core CI
+# that aborts it (16,368 tokens decoded in 33-40 s, ~400-500 tokens/s, on a loaded 2-core
 # machine, 2026-12-04): those tests hold vLLM's engine stopped (FrozenEngine) instead.
 CONTEXT = 16384
 LONG = CONTEXT - 16  # max_tokens of a request a test aborts
