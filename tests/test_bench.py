@@ -220,11 +220,14 @@ def test_every_virtualenv_holds_the_bytecode_of_what_its_processes_import(venv: 
     # `make install`/`sglang-env`/`vllm-env` compile at install (uv --compile-bytecode): where
     # PYTHONDONTWRITEBYTECODE is set, a venv without .pyc compiles on every import
     # (bench/bench_imports.py: 2.2x the time for SGLang's server)
-    if venv == "sglang" and (reason := sglang.unavailable_reason()):
-        skip_or_fail(reason)
-    python, package = {"project": (sys.executable, "transformers"),
-                       "sglang": (str(sglang.sglang_python()), "sglang"),
-                       "vllm": (vllm_python() if venv == "vllm" else "", "vllm")}[venv]
+    if venv == "sglang":
+        if reason := sglang.unavailable_reason():
+            skip_or_fail(reason)
+        python, package = str(sglang.sglang_python()), "sglang"
+    elif venv == "vllm":
+        python, package = vllm_python(), "vllm"
+    else:
+        python, package = sys.executable, "transformers"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
     found = subprocess.run(
         [python, "-c", "import importlib.util as u, sys; s = u.find_spec(sys.argv[1]); "

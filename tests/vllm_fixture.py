@@ -94,15 +94,11 @@ class FrozenEngine:
     procs: list[Any]
 
     def stop(self) -> None:
-        for proc in self.procs:
-            proc.send_signal(signal.SIGSTOP)
-        # stopped once the kernel says so, not once the signal is sent
-        wait_until(lambda: all(p.status() == "stopped" for p in self.procs), 60, 0.005,
-                   what="vLLM's engine to stop")
+        self._signal(signal.SIGSTOP)
+        self._wait_stopped()
 
     def go(self) -> None:
-        for proc in self.procs:
-            proc.send_signal(signal.SIGCONT)
+        self._signal(signal.SIGCONT)
 
     def step_until(self, done: Callable[[], bool], timeout_s: float, what: str,
                    step_s: float = 0.05) -> None:
@@ -115,9 +111,17 @@ class FrozenEngine:
             with _real_time():
                 self.go()
                 time.sleep(step_s)
-                for proc in self.procs:
-                    proc.send_signal(signal.SIGSTOP)
-            self.stop()
+                self._signal(signal.SIGSTOP)
+            self._wait_stopped()
+
+    def _signal(self, sig: signal.Signals) -> None:
+        for proc in self.procs:
+            proc.send_signal(sig)
+
+    def _wait_stopped(self) -> None:
+        # stopped once the kernel says so, not once the signal is sent
+        wait_until(lambda: all(p.status() == "stopped" for p in self.procs), 60, 0.005,
+                   what="vLLM's engine to stop")
 
 
 @contextmanager
