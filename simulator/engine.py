@@ -33,6 +33,9 @@ MIN_TICK_S = 0.005
 MAX_CATCH_UP_S = 1.0
 # SGLang 0.5.23's finish_reason for a request aborted through /abort_request.
 ABORT_REASON = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+# ... and for one still in its waiting queue: the scheduler hands it back to the tokenizer
+# manager unrun, which answers this shorter reason (tokenizer_manager._handle_abort_req).
+WAITING_ABORT_REASON = {"type": "abort", "message": "Abort in waiting queue"}
 SHUTDOWN_REASON = {"type": "abort", "message": "Server is shutting down", "status_code": None,
                    "err_type": None}
 
@@ -146,7 +149,8 @@ class Engine:
                 if abort_all or (rid and (req.rid == rid if exact else req.rid.startswith(rid)))
             ]
             for req in victims:
-                self._finish(req, ABORT_REASON)
+                self._finish(req, ABORT_REASON if req.rid in self._running
+                             else WAITING_ABORT_REASON)
             if victims:
                 self._waiting = deque(r for r in self._waiting if r.finish_reason is None)
                 self._admit(time.monotonic())

@@ -9,7 +9,7 @@ from http import HTTPStatus
 
 from simulator.config import SimulatorConfig
 from simulator.contract import check_contract
-from simulator.engine import SimRequest
+from simulator.engine import WAITING_ABORT_REASON, SimRequest
 from simulator.errors import ApiError
 from simulator.lengths import plan_output, tokenize_text
 
@@ -88,7 +88,11 @@ def result_body(req: SimRequest, count: int, finish_reason: dict | None,
     answer carries ``weight_versions`` and ``e2e_latency``, and ``response_sent_to_client_ts``
     is on a whole answer and on a stream's first chunk only (as measured on the real server).
     No prefix cache is modelled: ``cached_tokens`` 0, and SGLang's details are then null.
+    A request aborted before it left the waiting queue never ran: SGLang's tokenizer manager
+    answers it alone, with fewer keys and no output (``waiting_abort_body``).
     """
+    if finish_reason == WAITING_ABORT_REASON:
+        return waiting_abort_body(req, e2e_latency)
     meta: dict = {
         "id": req.rid,
         "finish_reason": finish_reason,
@@ -109,6 +113,16 @@ def result_body(req: SimRequest, count: int, finish_reason: dict | None,
         meta["response_sent_to_client_ts"] = time.time()
     return {"text": req.plan.text_upto(count), "output_ids": req.plan.ids[:count],
             "meta_info": meta}
+
+
+def waiting_abort_body(req: SimRequest, e2e_latency: float) -> dict:
+    """SGLang 0.5.23's answer, streamed or not, for a request aborted in its waiting queue
+    (seen on the real server: an abort that reached the scheduler beside the request)."""
+    return {"text": "", "output_ids": [], "meta_info": {
+        "id": req.rid, "finish_reason": WAITING_ABORT_REASON, "weight_version": "default",
+        "e2e_latency": e2e_latency,
+        "weight_versions": [{"version": "default", "start": 0, "end": 0}],
+        "completion_tokens": 0, "response_sent_to_client_ts": time.time()}}
 
 
 def _prompts(body: dict, config: SimulatorConfig) -> tuple[list[list[int]], bool]:

@@ -86,6 +86,19 @@ def test_a_vllm_answer_reads_as_a_generation() -> None:
     assert not gen.truncated and not gen.aborted
 
 
+def test_sglangs_answer_to_a_request_aborted_in_its_waiting_queue_reads_as_an_abort() -> None:
+    # as the real server answered it (no prompt_tokens, no output, no latency key of its own)
+    data = {"text": "", "output_ids": [], "meta_info": {
+        "id": "r1", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+        "weight_version": "default", "e2e_latency": 0.23,
+        "weight_versions": [{"version": "default", "start": 0, "end": 0}],
+        "completion_tokens": 0, "response_sent_to_client_ts": 1796437283.4}}
+    gen = SGLANG.parse_generation(data, 0.5)
+    assert gen.aborted and not gen.truncated
+    assert (gen.output_ids, gen.prompt_tokens, gen.completion_tokens, gen.latency_s) == (
+        [], 0, 0, 0.23)
+
+
 def test_vllm_limits_come_from_max_model_len() -> None:
     answers = {"/v1/models": {"data": [{"owned_by": "vllm", "max_model_len": 4096}]}}
     limits = VLLM.limits(answers.__getitem__, "http://h:1")

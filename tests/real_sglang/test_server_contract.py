@@ -169,6 +169,11 @@ def test_stop_token_ids_end_the_output_with_the_matched_id(
 
 def test_an_abort_by_the_exact_rid_answers_200_with_the_partial_output(
         real_sglang_context: RealServer) -> None:
+    # The request log says the tokenizer manager has the request, not that the scheduler runs
+    # it: an abort that reaches the scheduler in the same receive finds it still waiting, and
+    # SGLang then answers it unrun (seen in a loaded CI run). Both answers are SGLang's; the
+    # pipeline discards either (tests/real_sglang/test_simulator_matches_sglang.py holds each
+    # beside the simulator).
     rid, cap = unique("abort"), 2000
     thread, out = long_request(real_sglang_context, rid, cap)
     aborted = requests.post(f"{real_sglang_context.url}/abort_request", json={"rid": rid},
@@ -178,9 +183,14 @@ def test_an_abort_by_the_exact_rid_answers_200_with_the_partial_output(
     resp = out["result"]
     assert resp.status_code == 200
     body = resp.json()
-    assert body["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
-                                                  "status_code": None, "err_type": None}
-    assert len(body["output_ids"]) == body["meta_info"]["completion_tokens"] < cap
+    meta = body["meta_info"]
+    assert len(body["output_ids"]) == meta["completion_tokens"] < cap
+    if meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}:
+        assert body["output_ids"] == [] and "prompt_tokens" not in meta
+    else:
+        assert meta["finish_reason"] == {"type": "abort", "message": "Aborted",
+                                         "status_code": None, "err_type": None}
+        assert meta["prompt_tokens"] == 8
 
 
 def test_an_aborted_stream_keeps_the_tokens_made_before_the_abort(
@@ -198,22 +208,36 @@ def test_an_aborted_stream_keeps_the_tokens_made_before_the_abort(
     final = chunks[-1]
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
     assert 1 <= len(final["output_ids"]) < 2000
-    assert final["output_ids"][:1] == chunks[0]["output_ids"]
+    # the output is cumulative, and the first chunk may already hold more than one token
+    assert final["output_ids"][:len(chunks[0]["output_ids"])] == chunks[0]["output_ids"]
+    assert final["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
+                                                   "status_code": None, "err_type": None}
 
 
 def test_an_abort_by_a_rid_prefix_aborts_nothing(real_sglang_context: RealServer) -> None:
     # SGLang 0.5.23's tokenizer manager (--tokenizer-worker-num 1, the default) looks the
     # rid up exactly and drops one it does not run: the prefix never reaches the scheduler.
-    rid, cap = unique("prefix"), 48
-    thread, out = long_request(real_sglang_context, rid, cap)
+    # Streamed, so that the request is seen decoding before the abort and well after it
+    # (the scheduler takes its messages before every step).
+    rid, after = unique("prefix"), 8
+    resp = requests.post(f"{real_sglang_context.url}/generate", stream=True, timeout=TIMEOUT,
+                         json={"input_ids": prompt(8), "rid": rid, "stream": True,
+                               "sampling_params": {"max_new_tokens": 2000}})
+    chunks = (json.loads(line.removeprefix(b"data: ")) for line in resp.iter_lines()
+              if line and line != b"data: [DONE]")
+    first = next(chunks)
     answer = requests.post(f"{real_sglang_context.url}/abort_request",
                            json={"rid": rid[:-4]}, timeout=30)
-    in_flight = not real_sglang_context.logged("request.finished", rid)
-    thread.join(300)
-    assert answer.status_code == 200
-    assert in_flight, "the request ended before the abort was sent; nothing was tested"
-    assert out["result"].json()["meta_info"]["finish_reason"] == {"type": "length",
-                                                                  "length": cap}
+    at_abort, final, stopped = len(first["output_ids"]), first, False
+    for final in chunks:
+        if not stopped and len(final["output_ids"]) >= at_abort + after:
+            stopped = requests.post(f"{real_sglang_context.url}/abort_request",
+                                    json={"rid": rid}, timeout=30).ok
+    assert answer.status_code == 200 and stopped
+    # it decoded on past the prefix abort until the exact one stopped it
+    assert final["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
+                                                   "status_code": None, "err_type": None}
+    assert at_abort + after <= len(final["output_ids"]) < 2000
 
 
 def test_a_rid_already_in_flight_is_refused_as_a_duplicate(

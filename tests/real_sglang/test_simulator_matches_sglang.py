@@ -28,6 +28,7 @@ from cli.stack import start_simulator
 VOCAB, EOS = 4096, 2  # the tiny model's (cli/sglang.py build_model)
 TIMEOUT = (10, 300)
 LIMIT = REAL_CONTEXT_LENGTH - 6  # max_req_input_len
+QUEUED_ABORT_TRIES = 200
 
 # Differences kept on purpose; each is either impossible or unwise to emulate.
 NOT_EMULATED = {
@@ -221,20 +222,94 @@ def test_a_duplicate_rid_in_flight(pair: list[Target]) -> None:
 
 
 def test_an_abort_by_the_exact_rid(pair: list[Target]) -> None:
+    # Streamed, so that a token out shows the request is decoding on both before the abort
+    # (an abort that meets its request still in the waiting queue is the next test).
     def scenario(t: Target) -> dict:
         rid, cap = rid_of("abort"), 2000
-        thread, out = in_flight(t, rid, cap)
+        resp = requests.post(f"{t.url}/generate", stream=True, timeout=TIMEOUT, json={
+            "input_ids": prompt(8), "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": cap, "temperature": 0}})
+        lines = (line for line in resp.iter_lines() if line)
+        first = next(lines)
         aborted = requests.post(f"{t.url}/abort_request", json={"rid": rid}, timeout=30)
-        thread.join(120)
-        body = out["resp"].json()
-        meta = body["meta_info"]
+        rest = [line for line in lines if line != b"data: [DONE]"]
+        final = json.loads((rest or [first])[-1].removeprefix(b"data: "))
+        meta = final["meta_info"]
         return {"abort_answer": (aborted.status_code, aborted.content),
-                "status": out["resp"].status_code, "finish_reason": meta["finish_reason"],
+                "status": resp.status_code, "finish_reason": meta["finish_reason"],
                 "meta_keys": sorted(meta),
-                "partial": len(body["output_ids"]) == meta["completion_tokens"] < cap}
+                "partial": 0 < len(final["output_ids"]) == meta["completion_tokens"] < cap}
     real, simulated = both(pair, scenario)
     assert simulated == real
-    assert real["partial"] and real["finish_reason"]["type"] == "abort"
+    assert real["partial"] and real["finish_reason"] == {
+        "type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def queued_abort_on_sglang(t: Target) -> dict:
+    """An abort that meets its request in SGLang's waiting queue. Only an abort that reaches
+    the scheduler in the same receive as its request does: other requests' long prefills keep
+    the scheduler busy meanwhile, and the attempt is repeated until one does (a few tries on
+    2 cores; each attempt that was decoding is aborted after a token or none)."""
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            t.post({"input_ids": [1] + [(7 * i) % 4000 + 10 for i in range(3000)],
+                    "sampling_params": {"max_new_tokens": 1}})
+    workers = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in range(QUEUED_ABORT_TRIES):
+            rid = rid_of("queued")
+            thread, out = in_flight(t, rid, 300)
+            requests.post(f"{t.url}/abort_request", json={"rid": rid}, timeout=30)
+            thread.join(300)
+            reason = out["resp"].json()["meta_info"]["finish_reason"]
+            if reason.get("message") == "Abort in waiting queue":
+                return abort_shape(out["resp"])
+        pytest.fail(f"no abort met its request in the waiting queue in {QUEUED_ABORT_TRIES} "
+                    "tries")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(300)
+
+
+def queued_abort_on_the_simulator(url: str) -> dict:
+    """The same on a simulator whose one batch slot is taken: the request waits for it."""
+    t = Target("simulator-1-slot", url, sim_started(url))
+    holder, _ = in_flight(t, rid_of("holder"), 2000)
+    rid = rid_of("queued")
+    thread, out = in_flight(t, rid, 300)
+    requests.post(f"{url}/abort_request", json={"rid": rid}, timeout=30)
+    thread.join(60)
+    requests.post(f"{url}/abort_request", json={"abort_all": True}, timeout=30)
+    holder.join(60)
+    return abort_shape(out["resp"])
+
+
+def abort_shape(resp: requests.Response) -> dict:
+    body = resp.json()
+    meta = body["meta_info"]
+    return {"status": resp.status_code, "keys": sorted(body), "meta_keys": list(meta),
+            "finish_reason": meta["finish_reason"], "text": body["text"],
+            "outputs": body["output_ids"], "completion_tokens": meta["completion_tokens"],
+            "weight_versions": meta["weight_versions"]}
+
+
+def test_an_abort_that_meets_its_request_in_the_waiting_queue(
+        pair: list[Target], sim_dir: Path) -> None:
+    real = queued_abort_on_sglang(pair[0])
+    proc, url = start_simulator(sim_dir, sim_args(REAL_CONTEXT_LENGTH)
+                                + ["--max-running-requests", "1"], name="sim-one-slot")
+    try:
+        simulated = queued_abort_on_the_simulator(url)
+    finally:
+        proc.stop()
+    assert simulated == real
+    assert real["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert real["outputs"] == [] and real["completion_tokens"] == 0
 
 
 def test_an_abort_by_a_rid_prefix(pair: list[Target]) -> None:

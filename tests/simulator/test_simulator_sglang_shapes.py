@@ -3,6 +3,7 @@ server: tests/real_sglang/test_simulator_matches_sglang.py compares the two side
 
 import json
 
+import pytest
 import requests
 from simharness import (
     TIMEOUT,
@@ -97,6 +98,38 @@ def test_an_aborted_request_answers_sglangs_abort_reason():
         thread.join(10)
     assert out["result"].json()["meta_info"]["finish_reason"] == {
         "type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_aborted_in_the_waiting_queue_answers_as_sglangs_tokenizer_manager(
+        stream: bool) -> None:
+    # Seen on the real server (an abort that reached the scheduler beside its request): the
+    # scheduler hands the request back unrun, and the tokenizer manager answers it alone.
+    with running_sim(time_scale=0.05, lengths="fixed:2000", max_running_requests=1) as url:
+        running, _ = in_background(generate, url, rid="running",
+                                   sampling_params={"max_new_tokens": 5000})
+        wait_until(lambda: stats(url)["tokens_generated"] >= 5)
+        thread, out = in_background(generate, url, rid="queued", stream=stream,
+                                    sampling_params={"max_new_tokens": 5000})
+        wait_until(lambda: stats(url)["waiting"] == 1)
+        requests.post(f"{url}/abort_request", json={"rid": "queued"}, timeout=TIMEOUT)
+        thread.join(10)
+        still = stats(url)["running"]
+        requests.post(f"{url}/abort_request", json={"rid": "running"}, timeout=TIMEOUT)
+        running.join(10)
+    resp = out["result"]
+    events = [line for line in resp.text.splitlines() if line.startswith("data: ")]
+    body = json.loads(events[0].removeprefix("data: ")) if stream else resp.json()
+    assert resp.status_code == 200 and still == 1
+    if stream:
+        assert events[1:] == ["data: [DONE]"]  # one chunk: the abort
+    meta = body.pop("meta_info")
+    assert body == {"text": "", "output_ids": []}
+    assert list(meta) == ["id", "finish_reason", "weight_version", "e2e_latency",
+                          "weight_versions", "completion_tokens", "response_sent_to_client_ts"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert meta["completion_tokens"] == 0 and meta["id"] == "queued"
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 0}]
 
 
 def test_max_new_tokens_is_lowered_to_what_the_scheduler_has_room_for():
