@@ -25,6 +25,8 @@ they fail instead.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +46,7 @@ from vllm_fixture import (
     vllm_python,
 )
 
-from cli.stack import start_simulator
+from cli.stack import Process, start_simulator
 from datagen.client import SGLangClient, new_rid, rid_prefix
 from datagen.errors import BadRequest
 from datagen.generation.ledger import Ledger
@@ -489,6 +491,31 @@ def aborted(vllm: GenerationServer, rids: set[str]) -> set[str]:
     return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
 
 
+def frozen(proc: Process) -> None:
+    """SIGSTOP to ``proc``'s process group, returned once every process of it is stopped."""
+    import psutil
+
+    proc.signal(signal.SIGSTOP)
+    group = [p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+    wait_until(lambda: all(_stopped(p) for p in group), 60, 0.005, what="the worker stopped")
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _stopped(p: Any) -> bool:
+    import psutil
+
+    try:
+        return p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
 def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
     # Given: a worker of 2 threads on the real server, 32 prompts each decoding to its cap
@@ -509,14 +536,25 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
     def held() -> dict[str, str]:
         return {s: e["rid"] for s, e in ledger.in_flight(dataset).items()}
 
+    def two_running() -> bool:
+        return (len(ledger.committed(dataset)) >= 2 and len(held()) == 2
+                and all(vllm.added(r) for r in held().values()))
+
     # When: the worker is SIGKILLed with 2 requests running on vLLM and some samples done
     # (both hold from its third sample to its last but two: events, not a time window);
-    # a new worker and `datagen run` then restart the run, and its reaper finds the leases
-    wait_until(lambda: len(ledger.committed(dataset)) >= 2 and len(held()) == 2
-               and all(vllm.added(r) for r in held().values()),
-               300, 0.05, what="2 samples done and 2 requests running on vLLM")
-    victim.kill()
-    lost = held()
+    # a new worker and `datagen run` then restart the run, and its reaper finds the leases.
+    # The engine is frozen and decodes only in steps, and the worker is stopped before the
+    # ledger is read for the last time: between a look and the kill, nothing can finish a
+    # request or commit a sample (beside two CPU burners the worker once committed one there).
+    with vllm.engine_frozen() as engine:
+        while True:
+            engine.step_until(two_running, 300, what="2 samples done and 2 requests running")
+            frozen(victim)
+            if two_running():
+                break
+            victim.signal(signal.SIGCONT)  # it committed a sample meanwhile: step on
+        victim.kill()
+        lost = held()
     done_at_restart = set(ledger.committed(dataset))
     assert len(lost) == 2 and 2 <= len(done_at_restart) < 32
     stack.worker("short", name="fresh@%h")
