@@ -15,8 +15,12 @@ here (nothing downloaded). What is checked:
   abort_on_close, the engine frozen (SIGSTOP) from before the requests are sent and run
   only in steps the test takes, so the requests are surely in flight when the close
   comes: vLLM aborts each of the 4 by its id and none runs on; a worker SIGKILLed
-  mid-request and a restart: the killed requests end on vLLM, each sample runs once more
-  only where reaped, and is counted once.
+  mid-request (the engine frozen and the worker stopped while the test makes sure two of
+  its requests are running) and a restart: the killed requests end on vLLM, each sample
+  runs once more only where reaped, and is counted once.
+
+Every test that aborts or kills something in flight holds the engine that way: beside other
+load, a decoding CPU engine kept the test's process from waking until its requests had ended.
 
 Where .venv-vllm is missing the tests skip with the reason (`make vllm-env`); under CI=true
 they fail instead.
