@@ -92,6 +92,20 @@ class FrozenEngine:
     keeps the cores."""
 
     procs: list[Any]
+    name: str = "vLLM's engine"
+
+    @classmethod
+    def group(cls, pgid: int, name: str) -> FrozenEngine:
+        """Every process of the process group ``pgid`` (a worker and its children), running:
+        ``stop`` and ``go`` hold and release them as one."""
+        import psutil
+
+        def in_group(pid: int) -> bool:
+            try:
+                return os.getpgid(pid) == pgid
+            except ProcessLookupError:
+                return False
+        return cls([p for p in psutil.process_iter() if in_group(p.pid)], name)
 
     def stop(self) -> None:
         self._signal(signal.SIGSTOP)
@@ -120,8 +134,18 @@ class FrozenEngine:
 
     def _wait_stopped(self) -> None:
         # stopped once the kernel says so, not once the signal is sent
-        wait_until(lambda: all(p.status() == "stopped" for p in self.procs), 60, 0.005,
-                   what="vLLM's engine to stop")
+        wait_until(lambda: all(_stopped(p) for p in self.procs), 60, 0.005,
+                   what=f"{self.name} to stop")
+
+
+def _stopped(proc: Any) -> bool:
+    """Stopped, or gone (a process that exited meanwhile runs no more)."""
+    import psutil
+
+    try:
+        return proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
 
 
 @contextmanager

@@ -251,11 +251,12 @@ def queued_abort_on_sglang(t: Target) -> dict:
     the scheduler busy meanwhile, and the attempt is repeated until one does (a few tries on
     2 cores; each attempt that was decoding is aborted after a token or none)."""
     stop = threading.Event()
+    long_prefill = {"input_ids": [1] + [(7 * i) % 4000 + 10 for i in range(3000)],
+                    "sampling_params": {"max_new_tokens": 1}}
 
     def busy() -> None:
         while not stop.is_set():
-            t.post({"input_ids": [1] + [(7 * i) % 4000 + 10 for i in range(3000)],
-                    "sampling_params": {"max_new_tokens": 1}})
+            t.post(long_prefill)
     workers = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
     for w in workers:
         w.start()

@@ -29,8 +29,6 @@ they fail instead.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +41,7 @@ import requests
 from conftest import Stack, wait_until
 from side_by_side import both, prompt, rid_of, sim_started
 from vllm_fixture import (
+    FrozenEngine,
     GenerationServer,
     configure_on,
     datagen_run,
@@ -50,7 +49,7 @@ from vllm_fixture import (
     vllm_python,
 )
 
-from cli.stack import Process, start_simulator
+from cli.stack import start_simulator
 from datagen.client import SGLangClient, new_rid, rid_prefix
 from datagen.errors import BadRequest
 from datagen.generation.ledger import Ledger
@@ -495,31 +494,6 @@ def aborted(vllm: GenerationServer, rids: set[str]) -> set[str]:
     return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
 
 
-def frozen(proc: Process) -> None:
-    """SIGSTOP to ``proc``'s process group, returned once every process of it is stopped."""
-    import psutil
-
-    proc.signal(signal.SIGSTOP)
-    group = [p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
-    wait_until(lambda: all(_stopped(p) for p in group), 60, 0.005, what="the worker stopped")
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except ProcessLookupError:
-        return None
-
-
-def _stopped(p: Any) -> bool:
-    import psutil
-
-    try:
-        return p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
         stack: Stack, vllm: GenerationServer, model: tuple[Path, int]) -> None:
     # Given: a worker of 2 threads on the real server, 32 prompts each decoding to its cap
@@ -553,10 +527,11 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
     with vllm.engine_frozen() as engine:
         while True:
             engine.step_until(two_running, 300, what="2 samples done and 2 requests running")
-            frozen(victim)
+            worker = FrozenEngine.group(victim.pid, "the worker")
+            worker.stop()
             if two_running():
                 break
-            victim.signal(signal.SIGCONT)  # it committed a sample meanwhile: step on
+            worker.go()  # it committed a sample meanwhile: step on
         victim.kill()
         lost = held()
     done_at_restart = set(ledger.committed(dataset))
