@@ -46,7 +46,8 @@ from config.settings import load_settings  # noqa: E402
 from datagen import keys  # noqa: E402
 from datagen.generation.ledger import Ledger, connect  # noqa: E402
 from datagen.generation.records import records_dir  # noqa: E402
-from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.chat import ChatEncoder  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 
 REDIS_PORT, SERVER_PORT = 6379, 30000
 WORKER_HOSTS = ("w1", "w2")

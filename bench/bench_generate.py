@@ -76,7 +76,8 @@ from datagen.generation.guard import enqueue  # noqa: E402
 from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
-from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.chat import ChatEncoder  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer, classify, server_limits  # noqa: E402
 
 RATIO_GOAL = 0.98

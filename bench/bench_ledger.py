@@ -67,7 +67,8 @@ from datagen.generation.ledger import Ledger, connect, owner_id  # noqa: E402
 from datagen.generation.records import RecordWriter  # noqa: E402
 from datagen.generation.runner import Context, run_job  # noqa: E402
 from datagen.redis_server import RedisServer, redis_binary, redis_version  # noqa: E402
-from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.chat import ChatEncoder  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer  # noqa: E402
 
 DS = "B1_bench"

@@ -31,7 +31,8 @@ from net.lab import Lab, unavailable_reason  # noqa: E402
 
 from cli.stack import child_env  # noqa: E402
 from datagen import keys  # noqa: E402
-from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.chat import ChatEncoder  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 
 WORKLOADS = {"long (~3 s)": ("fixed:150", "0.02", 64), "short (~50 ms)": ("fixed:5", "0.01", 480)}
 REDIS_PORT, SERVER_PORT, RELAY_REDIS, RELAY_SERVER = 6379, 30000, 16379, 30001

@@ -53,7 +53,8 @@ from datagen.celery_app import make_app
 from datagen.generation.follower import follow
 from datagen.generation.ledger import Ledger
 from datagen.redis_server import RedisServer
-from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer
+from datagen.tokenization.chat import ChatEncoder
+from datagen.tokenization.tokenizer import build_tiny_tokenizer
 from datagen.training import handoff
 from datagen.training.training_set import extraction_dir, prepare, render
 

@@ -34,6 +34,7 @@ from datagen.generation.merge import datasets_on_disk
 from datagen.generation.records import canonical, iter_records, loss_spans, records_dir
 from datagen.servers import capture
 from datagen.training import draft_config, handoff, training_set
+from datagen.training.text_rows import TextRows
 
 EXIT_INCOMPLETE = 3  # something was dead-lettered (as `produce` does for bad input)
 LOST_AFTER_S = 3.0   # a shard seen nowhere this long had its message lost: send it again
@@ -98,19 +99,18 @@ def committed_maps(settings: Settings) -> Mapping[str, Committed | None]:
     return CommittedMaps(ledger, datasets_on_disk(settings.output_dir))
 
 
-def decoder(settings: Settings) -> Callable[[], Callable[[Sequence[int]], str]] | None:
-    """What loads the tokenizer's decode for the conversations (None: no tokenizer set).
-    Loaded only when called: transformers and torch cost ~250 MB of memory."""
+def decoder(settings: Settings) -> Callable[[], TextRows] | None:
+    """What loads the tokenizer for the text rows (None: no tokenizer set). Loaded only when
+    called: transformers and torch cost ~250 MB of memory."""
     path = settings.tokenizer_path or settings.model_path
     if not path:
         return None
 
-    def load() -> Callable[[Sequence[int]], str]:
-        from datagen.tokenization.tokenizer import ChatEncoder  # noqa: PLC0415
+    def load() -> TextRows:
+        from datagen.tokenization.chat import ChatEncoder  # noqa: PLC0415
 
-        encoder = ChatEncoder(path, trust_remote_code=settings.trust_remote_code)
-        # special tokens (eos, role markers) are the template's, not the assistant's text
-        return lambda ids: encoder.decode(ids, skip_special_tokens=True)
+        return TextRows(ChatEncoder(path, settings.chat_template_kwargs,
+                                    settings.trust_remote_code))
 
     return load
 

@@ -24,6 +24,9 @@ def render_produce(reports: list[Any]) -> str:
                      f"{r.already_done:>6} {r.already_queued:>6} {r.clamped:>7} "
                      f"{r.bad_count:>7}")
     for r in reports:
+        if getattr(r, "conversations", 0):
+            lines.append(f"{r.dataset}: {r.read} samples from {r.conversations} conversations "
+                         "(regenerate = 'each': one per assistant turn)")
         for line in (r.rebuilt, r.skipped):
             if line:
                 lines.append(line)

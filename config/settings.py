@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 ENV_PREFIX = "DATAGEN_"
 CONFIG_ENV = "DATAGEN_CONFIG"
 BUDGET_MEASURES = ("completion", "total")
-REGENERATE_MODES = ("last", "all")
+REGENERATE_MODES = ("last", "each", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
 EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang", "vllm", "captured")  # datagen/extraction/backends
@@ -68,7 +68,10 @@ class Settings:
     trust_remote_code: bool = False  # never run a checkpoint's own code unless asked
     # "last": only the last assistant turn is generated, earlier ones keep the dataset's text
     # (not trained on); "all": every assistant turn, in order, each after the generated ones.
-    regenerate: str = "last"  # which assistant turns are generated: "last" or "all"
+    # "each": one sample per assistant turn, each from the recorded history before it (the
+    # faithful choice for thinking templates and agent data); "all": the turns in order, each
+    # after the generated ones (refused where that is not exact: tool turns, thinking dropped)
+    regenerate: str = "last"  # which assistant turns are generated: "last", "each" or "all"
 
     # Queues: one source for the worker start commands (Makefile, compose).
     long_threshold_tokens: int = 2048  # prompts longer than this go to the `long` queue
@@ -185,9 +188,10 @@ class Settings:
             raise SettingsError(f"capture_states: true needs server_kind = 'vllm' (its "
                                 f"connector writes the states); server_kind is "
                                 f"{self.server_kind!r}")
-        if self.regenerate != "last":
+        if self.regenerate == "all":
             raise SettingsError(f"capture_states: true is not built for regenerate = "
-                                f"{self.regenerate!r} (one request per turn); use 'last'")
+                                f"{self.regenerate!r} (one request per turn); use 'last' or "
+                                "'each'")
         if self.capture_timeout_s <= 0:
             raise SettingsError(f"capture_timeout_s: {self.capture_timeout_s!r} must be > 0")
 

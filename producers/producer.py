@@ -28,7 +28,7 @@ from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.generation.recovery import needs_rebuild, rebuild_dataset
 from datagen.operations.progress import Progress, count_lines
-from datagen.tokenization.tokenizer import ChatEncoder
+from datagen.tokenization.chat import ChatEncoder
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ Encoded = tuple[list[int], list[list[int]]]
 class DatasetReport:
     dataset: str
     read: int = 0
+    conversations: int = 0  # regenerate = "each": the lines its samples came from
     enqueued: int = 0
     already_done: int = 0
     already_queued: int = 0
@@ -174,7 +175,7 @@ class Producer:
         try:
             # One Redis pipeline per batch of messages (kombu 5.7's Producer.batch), not
             # one round trip and one client object per message.
-            batches = _batches(read_dataset(dataset, path), BATCH)
+            batches = _batches(self._samples(read_dataset(dataset, path), report), BATCH)
             with self.app.producer_or_acquire() as producer, producer.batch(BATCH), \
                     _sent_events(self.app, self.settings.bulk_sent_events):
                 for fresh, ids_list, lines in self._tokenized(batches, report, done, queued):
@@ -206,6 +207,17 @@ class Producer:
         if snap["closed"]:
             return f"{dataset}: closed ({snap['closed']}), skipping"
         return ""
+
+    def _samples(self, items: Iterable[Prompt | BadRecord], report: DatasetReport
+                 ) -> Iterator[Prompt | BadRecord]:
+        """The samples of a dataset's lines: with regenerate = "each", one per assistant turn
+        of each conversation (``Prompt.events``), else one per line."""
+        for item in items:
+            if self.settings.regenerate != "each" or isinstance(item, BadRecord):
+                yield item
+                continue
+            report.conversations += 1
+            yield from item.events()
 
     def _room(self, dataset: str, done: int) -> int | None:
         if self.settings.max_samples is None:
@@ -263,7 +275,7 @@ class Producer:
                 report.clamped += 1
             setattr(report, plan.queue, getattr(report, plan.queue) + 1)
             offset = store.add(prompt.sample_id, prompt.dataset, list(prompt.messages), ids,
-                               turn_ids)
+                               turn_ids, list(prompt.tools) if prompt.tools else None)
             jobs.append(Job(prompt.dataset, prompt.sample_id, plan.queue, store.relative,
                             offset, len(ids), plan.max_new_tokens, epoch,
                             turns=1 + len(turn_ids),
@@ -278,7 +290,8 @@ class Producer:
             multi = [any(m["role"] == "assistant" for m in p.messages) for p in prompts]
             plain = [p for p, m in zip(prompts, multi, strict=True) if not m]
             single = iter(self._encode_batch(plain, report))
-            return [self._encode_one(p, report, self.encoder.encode_turns) if m
+            return [self._encode_one(p, report, lambda p: self.encoder.encode_turns(
+                        p.messages, p.tools)) if m
                     else next(single) for p, m in zip(prompts, multi, strict=True)]
         return self._encode_batch(prompts, report)
 
@@ -287,16 +300,18 @@ class Producer:
         if not prompts:
             return []
         try:
-            return [(ids, []) for ids in self.encoder.encode_batch([p.messages for p in prompts])]
+            return [(ids, []) for ids in self.encoder.encode_batch(
+                [p.messages for p in prompts], [p.tools for p in prompts])]
         except ValueError:  # find the one the template refuses
-            return [self._encode_one(p, report, lambda m: (self.encoder.encode(m), []))
+            return [self._encode_one(p, report, lambda p: (self.encoder.encode(p.messages,
+                                                                              p.tools), []))
                     for p in prompts]
 
     @staticmethod
     def _encode_one(prompt: Prompt, report: DatasetReport,
-                    encode: Callable[[tuple[dict[str, str], ...]], Encoded]) -> Encoded | None:
+                    encode: Callable[[Prompt], Encoded]) -> Encoded | None:
         try:
-            return encode(prompt.messages)
+            return encode(prompt)
         except ValueError as exc:
             report.bad.append(f"{prompt.source}: chat template failed: {exc}")
             return None

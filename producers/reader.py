@@ -3,16 +3,19 @@
 A partition holds one entry per dataset: a folder of `*.jsonl` files (read recursively, in sorted
 path order) or a single `<name>.jsonl` file. Each line is one JSON object in one of four shapes:
 
-    OpenAI     {"messages": [{"role": "user", "content": "..."}], "id": ...}
-    ShareGPT   {"conversations": [{"from": "human", "value": "..."}]}
+    OpenAI     {"messages": [{"role": "user", "content": "..."}], "tools": [...], "id": ...}
+    ShareGPT   {"conversations": [{"from": "human", "value": "..."}], "tools": "[...]"}
     SpecForge  {"id": ..., "conversations": [{"role": "user", "content": "..."}]}
     plain      {"prompt": "...", "system": "..."}
 
-A trailing assistant turn is dropped: it is the answer the target model regenerates. Every line
-that cannot become a prompt is reported as a `BadRecord` naming its file and line, and reading goes
-on with the next line. Files are read in binary and decoded line by line, so memory does not grow
-with the text (only an index of 64-bit digests, ~130 bytes a record, to catch duplicates); one
-line with bad bytes costs one record, not the file.
+Agent turns (``tools``, assistant ``tool_calls`` and ``reasoning_content``, ``tool`` results,
+multi-part content, ShareGPT's ``function_call``/``observation``) are read into one model,
+``datagen.conversation``'s normalised OpenAI messages. A trailing assistant turn is dropped:
+it is the answer the target model regenerates; the prompt then ends on a user or a tool turn.
+Every line that cannot become a prompt is reported as a `BadRecord` naming its file and line,
+and reading goes on with the next line. Files are read in binary and decoded line by line, so
+memory does not grow with the text (only an index of 64-bit digests, ~130 bytes a record, to
+catch duplicates); one line with bad bytes costs one record, not the file.
 """
 
 from __future__ import annotations
@@ -22,9 +25,21 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from datagen.conversation import (
+    PROMPT_ENDS,
+    ConversationError,
+    Message,
+    core,
+    event_cuts,
+    json_type,
+    messages_of,
+    text_of,
+    tools_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +49,6 @@ logger = logging.getLogger(__name__)
 DATASET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SAFE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 ID_KEYS = ("id", "sample_id", "uuid")
-ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user",
-                  "assistant": "assistant"}
 # A line longer than this is reported and skipped without being held in memory; a real prompt
 # of this size would be far beyond any model's context anyway.
 MAX_LINE_BYTES = 16 * 1024 * 1024
@@ -53,8 +65,18 @@ class Prompt:
 
     dataset: str
     sample_id: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[Message, ...]  # up to the turn generated (the last is user or tool)
     source: str  # "path:line", for error messages
+    tools: tuple[Any, ...] | None = None  # the record's function specs, for the template
+    answer: Message | None = None  # the trailing assistant turn the prompt was cut before
+
+    def events(self) -> list[Prompt]:
+        """regenerate = "each": one prompt per assistant turn, each cut before it, plus the
+        turn after the last (this prompt's own). Ids: ``<sample_id>:<n>``, n from 1."""
+        turns = (*self.messages, self.answer) if self.answer is not None else self.messages
+        return [replace(self, sample_id=f"{self.sample_id}:{n}", messages=turns[:cut],
+                        answer=turns[cut] if cut < len(turns) else None)
+                for n, cut in enumerate(event_cuts(turns), start=1)]
 
 
 @dataclass(frozen=True)
@@ -226,8 +248,8 @@ def _parse_line(
 ) -> Prompt | BadRecord:
     try:
         record = _load_object(raw)
-        messages = _messages(record)
-        canonical = _canonical(messages)
+        messages, answer, tools = _conversation(record)
+        canonical = _canonical(messages, tools)
         own_id = _record_id(record)
     except _Invalid as exc:
         return BadRecord(dataset, str(file), line_no, str(exc))
@@ -235,7 +257,7 @@ def _parse_line(
     if first is not None:
         return BadRecord(dataset, str(file), line_no, f"duplicate of {first}")
     sample_id = own_id or _content_id(dataset, canonical)
-    return Prompt(dataset, sample_id, messages, f"{file}:{line_no}")
+    return Prompt(dataset, sample_id, messages, f"{file}:{line_no}", tools, answer)
 
 
 def _load_object(raw: bytes | None) -> dict[str, Any]:
@@ -252,74 +274,56 @@ def _load_object(raw: bytes | None) -> dict[str, Any]:
     except RecursionError:
         raise _Invalid("invalid JSON: nested too deeply") from None
     if not isinstance(record, dict):
-        raise _Invalid(f"expected a JSON object, got {_json_type(record)}")
+        raise _Invalid(f"expected a JSON object, got {json_type(record)}")
     return record
 
 
-def _messages(record: dict[str, Any]) -> tuple[dict[str, str], ...]:
-    if "messages" in record:
-        turns = _turns(record["messages"], "messages")
-    elif "conversations" in record:
-        turns = _turns(record["conversations"], "conversations")
-    elif "prompt" in record:
-        turns = _plain_turns(record)
-    else:
-        keys = ", ".join(sorted(record)) or "none"
-        raise _Invalid(
-            f"none of the known shapes: expected 'messages', 'conversations' or 'prompt' "
-            f"(keys: {keys})"
-        )
-    return _drop_trailing_answer(turns)
+def _conversation(record: dict[str, Any]
+                  ) -> tuple[tuple[Message, ...], Message | None, tuple[Any, ...] | None]:
+    """(the prompt's messages, the trailing assistant turn dropped or None, the tools)."""
+    try:
+        if "messages" in record:
+            turns = messages_of(record["messages"], "messages")
+        elif "conversations" in record:
+            turns = messages_of(record["conversations"], "conversations")
+        elif "prompt" in record:
+            turns = _plain_turns(record)
+        else:
+            keys = ", ".join(sorted(record)) or "none"
+            raise _Invalid(
+                f"none of the known shapes: expected 'messages', 'conversations' or 'prompt' "
+                f"(keys: {keys})"
+            )
+        tools = tools_of(record.get("tools"))
+    except ConversationError as exc:
+        raise _Invalid(str(exc)) from None
+    messages, answer = _drop_trailing_answer(turns)
+    return messages, answer, None if tools is None else tuple(tools)
 
 
-def _turns(value: Any, field: str) -> list[dict[str, str]]:
-    if not isinstance(value, list):
-        raise _Invalid(f"'{field}' must be a list, got {_json_type(value)}")
-    if not value:
-        raise _Invalid(f"empty '{field}'")
-    return [_turn(turn, number) for number, turn in enumerate(value, start=1)]
-
-
-def _turn(turn: Any, number: int) -> dict[str, str]:
-    if not isinstance(turn, dict):
-        raise _Invalid(f"turn {number}: expected an object, got {_json_type(turn)}")
-    if "from" in turn:  # ShareGPT
-        role_key, content_key, roles = "from", "value", SHAREGPT_ROLES
-    else:
-        role_key, content_key, roles = "role", "content", {r: r for r in ROLES}
-    if role_key not in turn or content_key not in turn:
-        raise _Invalid(f"turn {number}: needs '{role_key}' and '{content_key}'")
-    role, content = turn[role_key], turn[content_key]
-    if not isinstance(role, str) or role not in roles:
-        raise _Invalid(
-            f"turn {number}: unknown role {role!r} (expected one of {', '.join(roles)})"
-        )
-    if not isinstance(content, str):
-        raise _Invalid(f"turn {number}: content must be a string, got {_json_type(content)}")
-    return {"role": roles[role], "content": content}
-
-
-def _plain_turns(record: dict[str, Any]) -> list[dict[str, str]]:
+def _plain_turns(record: dict[str, Any]) -> list[Message]:
     prompt, system = record["prompt"], record.get("system")
     if not isinstance(prompt, str):
-        raise _Invalid(f"'prompt' must be a string, got {_json_type(prompt)}")
+        raise _Invalid(f"'prompt' must be a string, got {json_type(prompt)}")
     if system is not None and not isinstance(system, str):
-        raise _Invalid(f"'system' must be a string, got {_json_type(system)}")
+        raise _Invalid(f"'system' must be a string, got {json_type(system)}")
     turns = [{"role": "system", "content": system}] if system else []
     return [*turns, {"role": "user", "content": prompt}]
 
 
-def _drop_trailing_answer(turns: list[dict[str, str]]) -> tuple[dict[str, str], ...]:
+def _drop_trailing_answer(turns: list[Message]) -> tuple[tuple[Message, ...], Message | None]:
+    answer = None
     if turns[-1]["role"] == "assistant":
+        answer = turns[-1]
         turns = turns[:-1]
         if not turns:
             raise _Invalid("empty after dropping the trailing assistant turn")
     last = turns[-1]
-    if last["role"] != "user":
-        raise _Invalid(f"last turn is {last['role']!r}, expected 'user'")
-    if not last["content"].strip():
+    if last["role"] not in PROMPT_ENDS:
+        raise _Invalid(f"last turn is {last['role']!r}, expected 'user' or 'tool'")
+    if last["role"] == "user" and not text_of(last["content"]).strip():
         raise _Invalid("last user turn is empty")
-    return tuple(turns)
+    return tuple(turns), answer
 
 
 def _record_id(record: dict[str, Any]) -> str | None:
@@ -328,7 +332,7 @@ def _record_id(record: dict[str, Any]) -> str | None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise _Invalid(f"'{key}' must be a string or an integer, got {_json_type(value)}")
+            raise _Invalid(f"'{key}' must be a string or an integer, got {json_type(value)}")
         text = str(value)
         if not text.strip():
             raise _Invalid(f"empty '{key}'")
@@ -336,8 +340,13 @@ def _record_id(record: dict[str, Any]) -> str | None:
     return None
 
 
-def _canonical(messages: tuple[dict[str, str], ...]) -> bytes:
-    text = json.dumps(messages, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+def _canonical(messages: tuple[Message, ...], tools: tuple[Any, ...] | None) -> bytes:
+    # What the template reads: a plain chat's digest (and so its id) is what it was before
+    # tools and agent turns were read.
+    body: Any = [core(m) for m in messages]
+    if tools:
+        body = {"messages": body, "tools": list(tools)}
+    text = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
@@ -347,8 +356,3 @@ def _canonical(messages: tuple[dict[str, str], ...]) -> bytes:
 
 def _content_id(dataset: str, canonical: bytes) -> str:
     return hashlib.sha1(dataset.encode("utf-8") + b"\0" + canonical).hexdigest()[:16]
-
-
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")

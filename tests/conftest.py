@@ -128,7 +128,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def encoder(tokenizer_dir: Path) -> Any:
-    from datagen.tokenization.tokenizer import ChatEncoder
+    from datagen.tokenization.chat import ChatEncoder
 
     return ChatEncoder(tokenizer_dir)
 

@@ -11,7 +11,7 @@ from conftest import Stack, write_jsonl
 from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
 from datagen.generation.follower import follow
 from datagen.generation.records import iter_records, records_dir
-from datagen.tokenization.tokenizer import ChatEncoder
+from datagen.tokenization.chat import ChatEncoder
 from producers.producer import Producer
 
 

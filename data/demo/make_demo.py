@@ -6,7 +6,7 @@ Four datasets mixing every record shape the reader accepts, with multi-turn hist
 assistant turns to drop, and five deliberately bad lines so the demo shows the bad-input report:
 
     B1_chat     120 prompts, 2 files, OpenAI + ShareGPT; bad: invalid JSON, a duplicate
-    B2_math     100 prompts, 1 file, plain + OpenAI;     bad: unknown role 'tool'
+    B2_math     100 prompts, 1 file, plain + OpenAI;     bad: a tool turn with no call
     A1_code      80 prompts, 2 files, SpecForge;         bad: empty conversations
     A2_longdoc   40 prompts, 1 file, OpenAI, long documents (1.5K-3K tokens, the `long` queue);
                  bad: nothing left after dropping the trailing assistant turn

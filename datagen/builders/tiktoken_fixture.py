@@ -5,12 +5,21 @@ Kimi-K2.x ships its tokenizer as code: `tokenizer_config.json` maps `AutoTokeniz
 built from the `tiktoken.model` ranks, and transformers loads it only with
 `trust_remote_code=True`. `build_tiktoken_tokenizer` writes a small folder of the same
 structure, fully offline: ranks from the tiny tokenizer's BPE merges (trained in code), the
-class of `datagen/tokenization/tiktoken_tokenization.py`, and a chat template with Kimi's role
-markers and a thinking switch read from the template kwargs (`thinking`, true by default):
+class of `datagen/tokenization/tiktoken_tokenization.py`, and a chat template that renders what
+Kimi-K2.5's does (its role markers, tools, calls, results and thinking; a thinking switch read
+from the template kwargs, `thinking`, true by default):
 
+    <|im_system|>tool_declare<|im_middle|>[{"type":"function",...}]<|im_end|>   (with tools)
     <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
-    <|im_assistant|>assistant<|im_middle|><think>            (thinking on)
+    <|im_assistant|>assistant<|im_middle|><think></think>text<|tool_calls_section_begin|>
+      <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{"a":1}<|tool_call_end|>
+      <|tool_calls_section_end|><|im_end|>        (a turn before the last user turn: no reasoning)
+    <|im_system|>NAME<|im_middle|>## Return of ID\nresult<|im_end|>             (a tool result)
+    <|im_assistant|>assistant<|im_middle|><think>reasoning</think>...  (after the last user turn)
+    <|im_assistant|>assistant<|im_middle|><think>            (generation prompt, thinking on)
     <|im_assistant|>assistant<|im_middle|><think></think>    (thinking = false)
+
+A turn's `name` stands for its role, as in Kimi's template; content may be a list of text parts.
 """
 
 from __future__ import annotations
@@ -28,16 +37,52 @@ MODULE_NAME = "tokenization_tiny_tiktoken"
 CLASS_NAME = "TinyTikTokenTokenizer"
 EOS_TOKEN = "<|im_end|>"
 
-CHAT_TEMPLATE = r"""{%- for message in messages -%}
-{%- if message['role'] == 'system' -%}{{- '<|im_system|>system<|im_middle|>' -}}
-{%- elif message['role'] == 'user' -%}{{- '<|im_user|>user<|im_middle|>' -}}
-{%- elif message['role'] == 'assistant' -%}{{- '<|im_assistant|>assistant<|im_middle|>' -}}
+CHAT_TEMPLATE = r"""{%- macro render_content(message) -%}
+{%- if message['content'] is string -%}{{- message['content'] -}}
+{%- elif message['content'] is not none -%}
+{%- for part in message['content'] -%}
+{%- if part['type'] == 'text' -%}{{- part['text'] -}}
+{%- else -%}{{- raise_exception("message part of type '" ~ part['type'] ~ "'") -}}{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+{{- '<|im_system|>tool_declare<|im_middle|>' -}}
+{{- tools | tojson(separators=(',', ':')) ~ '<|im_end|>' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages -%}
+{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- set role_name = message.get('name') or message['role'] -%}
+{%- if message['role'] == 'user' -%}{{- '<|im_user|>' -}}
+{%- elif message['role'] == 'assistant' -%}{{- '<|im_assistant|>' -}}
+{%- elif message['role'] in ['system', 'tool'] -%}{{- '<|im_system|>' -}}
 {%- else -%}{{- raise_exception("unknown role '" ~ message['role'] ~ "'") -}}
 {%- endif -%}
-{%- if message['content'] is not string -%}
-{{- raise_exception("message " ~ loop.index ~ " has no string content") -}}
+{{- role_name ~ '<|im_middle|>' -}}
+{%- if message['role'] == 'assistant' -%}
+{%- if loop.index0 > ns.last_user -%}
+{{- '<think>' ~ (message.get('reasoning_content') or '') ~ '</think>' -}}
+{%- else -%}{{- '<think></think>' -}}{%- endif -%}
+{{- render_content(message) -}}
+{%- if message.get('tool_calls') -%}
+{{- '<|tool_calls_section_begin|>' -}}
+{%- for call in message['tool_calls'] -%}
+{%- set arguments = call['function']['arguments'] -%}
+{%- set call_id = call.get('id') or 'functions.' ~ call['function']['name'] ~ ':' ~ loop.index0 -%}
+{{- '<|tool_call_begin|>' ~ call_id ~ '<|tool_call_argument_begin|>' -}}
+{{- arguments if arguments is string else arguments | tojson -}}
+{{- '<|tool_call_end|>' -}}
+{%- endfor -%}
+{{- '<|tool_calls_section_end|>' -}}
 {%- endif -%}
-{{- message['content'] ~ '<|im_end|>' -}}
+{%- elif message['role'] == 'tool' -%}
+{{- '## Return of ' ~ (message.get('tool_call_id') or '') ~ '\n' ~ render_content(message) -}}
+{%- else -%}{{- render_content(message) -}}
+{%- endif -%}
+{{- '<|im_end|>' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|im_assistant|>assistant<|im_middle|>' -}}

@@ -73,11 +73,12 @@ class Job:
 class Prompt:
     sample: str
     dataset: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     prompt_ids: list[int]
     # regenerate = "all": per later turn, the template's ids between the turn before it and
     # its generation (the earlier turn's close, the next user turn, the generation prompt).
     turn_ids: list[list[int]] = field(default_factory=list)
+    tools: list[Any] | None = None  # the function specs the template declared
 
 
 class PromptStore:
@@ -91,14 +92,17 @@ class PromptStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "ab")  # noqa: SIM115 (closed in close())
 
-    def add(self, sample: str, dataset: str, messages: list[dict[str, str]],
-            prompt_ids: list[int], turn_ids: list[list[int]] | None = None) -> int:
+    def add(self, sample: str, dataset: str, messages: list[dict[str, Any]],
+            prompt_ids: list[int], turn_ids: list[list[int]] | None = None,
+            tools: list[Any] | None = None) -> int:
         """Append one prompt; returns its byte offset."""
         offset = self._fh.tell()
         entry: dict[str, Any] = {"id": sample, "dataset": dataset, "messages": messages,
                                  "prompt_ids": prompt_ids}
         if turn_ids:
             entry["turn_ids"] = turn_ids
+        if tools:
+            entry["tools"] = tools
         line = json.dumps(entry, separators=(",", ":"), ensure_ascii=False)
         self._fh.write(line.encode("utf-8") + b"\n")
         return offset
@@ -128,4 +132,5 @@ def read_prompt(output_dir: str | Path, job: Job) -> Prompt:
     if len(turn_ids) != job.turns - 1:
         raise BadInput(f"prompt {job.sample!r} at {path}:{job.offset} has {len(turn_ids) + 1} "
                        f"turns, the task {job.turns}")
-    return Prompt(job.sample, job.dataset, data["messages"], data["prompt_ids"], turn_ids)
+    return Prompt(job.sample, job.dataset, data["messages"], data["prompt_ids"], turn_ids,
+                  data.get("tools"))

@@ -132,6 +132,7 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
         "completion_tokens": gen.completion_tokens, "truncated": gen.truncated,
         "server": ctx.client.base_url, "worker": ctx.worker_id,
         "host": socket.gethostname(), "time": time.time(), "latency_s": gen.latency_s,
+        **({"tools": prompt.tools} if prompt.tools else {}),
         **(extra or {}),  # "turns" of a multi-turn sample
     })
 

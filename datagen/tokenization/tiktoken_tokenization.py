@@ -24,8 +24,11 @@ from transformers import PreTrainedTokenizer
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
 # GPT-2's pre-split: contractions, letters, digits, other symbols, whitespace runs.
 PAT_STR = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Kimi's tool-call markers come last: the ids of the tokens before them stay what they were.
 SPECIAL_TOKENS = ("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>",
-                  "<|im_system|>", "<|im_middle|>", "<think>", "</think>", "[PAD]", "[UNK]")
+                  "<|im_system|>", "<|im_middle|>", "<think>", "</think>", "[PAD]", "[UNK]",
+                  "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                  "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")
 
 
 def read_ranks(path: str) -> dict[bytes, int]:

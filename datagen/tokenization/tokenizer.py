@@ -1,11 +1,17 @@
 """Chat-template tokenization, and a tiny offline tokenizer for tests and the demo.
 
 `ChatEncoder` wraps any Hugging Face tokenizer folder (the target model's, or the tiny one) and
-turns normalised conversations into prompt token ids the way SGLang's `/generate` wants them: the
-chat template rendered with the generation prompt, then tokenized without adding special tokens.
+turns normalised conversations (``datagen.conversation``) into prompt token ids the way SGLang's
+`/generate` wants them: ``apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+**chat_template_kwargs)``, then tokenized without adding special tokens. Multi-part content
+reaches a template that loops over parts as parts, and any other template as its text parts
+joined by a space, as SGLang 0.5.23 decides (``detect_jinja_template_content_format``).
 
 `build_tiny_tokenizer` writes a small byte-level BPE tokenizer with a Llama-3/Qwen-style chat
-template, trained on text generated in code, so tests and `make demo` never touch the network.
+template (a plain one: string content only; tools declared in a first system turn, calls as
+Qwen's `<tool_call>` JSON, results as `tool` turns, the reasoning of the turns after the last
+user turn in `<think>`), trained on text generated in code, so tests and `make demo` never
+touch the network.
 `read_tokenizer_info` reads its (or any saved tokenizer's) eos id and vocabulary size from the JSON
 files alone where there are any (no transformers import), else loads the folder as the producer
 does (a custom-code tokenizer such as Kimi's, with trust_remote_code).
@@ -19,7 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +44,33 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, HEADER_START, HEADER_END)
 
 # Raw string: Jinja itself turns the '\n' escapes inside its string literals into newlines.
 CHAT_TEMPLATE = r"""{{- bos_token -}}
+{%- if tools -%}
+{{- '<|header_start|>system<|header_end|>\n\nYou may call these functions:\n' -}}
+{{- tools | tojson ~ '<|eot|>' -}}
+{%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
 {%- for message in messages -%}
-{%- if message['role'] not in ['system', 'user', 'assistant'] -%}
-{{- raise_exception("unknown role '" ~ message['role'] ~ "' (expected system/user/assistant)") -}}
+{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}
+{%- set expected = "' (expected system/user/assistant/tool)" -%}
+{{- raise_exception("unknown role '" ~ message['role'] ~ expected) -}}
 {%- endif -%}
 {%- if message['content'] is not string -%}
 {{- raise_exception("message " ~ loop.index ~ " has no string content") -}}
 {%- endif -%}
-{{- '<|header_start|>' ~ message['role'] ~ '<|header_end|>\n\n' ~ message['content'] ~ '<|eot|>' -}}
+{{- '<|header_start|>' ~ message['role'] ~ '<|header_end|>\n\n' -}}
+{%- if message['role'] == 'assistant' and loop.index0 > ns.last_user
+      and message.get('reasoning_content') -%}
+{{- '<think>\n' ~ message['reasoning_content'] ~ '\n</think>\n\n' -}}
+{%- endif -%}
+{{- message['content'] -}}
+{%- for call in message.get('tool_calls') or [] -%}
+{%- set body = {'name': call['function']['name'], 'arguments': call['function']['arguments']} -%}
+{{- '\n<tool_call>\n' ~ body | tojson ~ '\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|eot|>' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|header_start|>assistant<|header_end|>\n\n' -}}
@@ -205,18 +230,6 @@ def _info_of(tokenizer: Any, path: Path) -> TokenizerInfo:
                          eos_token_id=int(tokenizer.eos_token_id), vocab_size=len(tokenizer))
 
 
-class ChatTemplateError(ValueError):
-    """The chat template refused a conversation; index is its position in a batch, if any."""
-
-    def __init__(self, message: str, index: int | None = None) -> None:
-        super().__init__(message)
-        self.index = index
-
-
-# Stands for a generated assistant turn while the template renders what follows it.
-TURN_SENTINEL = "<<datagen:generated-turn>>"
-
-
 class TokenizerError(ValueError):
     """The tokenizer at ``tokenizer_path`` cannot be loaded; one line naming the setting."""
 
@@ -274,117 +287,3 @@ def _custom_code(path: Path) -> str:
     if isinstance(entry, list):
         entry = next((e for e in entry if e), None)
     return entry if isinstance(entry, str) else ""
-
-
-class ChatEncoder:
-    """Renders conversations with a tokenizer's chat template and returns prompt token ids.
-
-    template_kwargs go to the template on every call (e.g. `{"enable_thinking": False}`, or
-    Kimi's `{"thinking": False}`). Template failures (unknown role, missing content) raise
-    ChatTemplateError, a ValueError whose `.index` names the failing conversation of a batch
-    so the caller can drop it and retry.
-    """
-
-    def __init__(
-        self, tokenizer_path: str | Path, template_kwargs: Mapping[str, Any] | None = None,
-        trust_remote_code: bool = False,
-    ) -> None:
-        self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
-                                 "chat template")
-        if self._tokenizer.eos_token_id is None:
-            raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
-                                 "eos token")
-        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
-        self.eos_token_id: int = int(self._tokenizer.eos_token_id)
-        # len() counts added tokens too, which is what an embedding table must cover.
-        self.vocab_size: int = len(self._tokenizer)
-
-    def encode(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of one conversation followed by the assistant generation prompt."""
-        try:
-            ids = self._tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-                **self.template_kwargs,
-            )
-        except Exception as exc:  # jinja2 errors have no common base worth naming here
-            raise _template_error(exc) from exc
-        return list(ids)
-
-    def encode_turns(self, messages: Sequence[Mapping[str, str]]
-                     ) -> tuple[list[int], list[list[int]]]:
-        """Ids for generating every assistant turn of a conversation, in order.
-
-        Returns the first turn's prompt (the messages before the first assistant turn, with
-        the generation prompt) and, for each later turn, the ids the template writes between
-        the turn before it and its generation: that turn's close, the messages up to the next
-        assistant turn, the generation prompt. The assistant contents themselves are left
-        out (they are generated), so a worker builds each turn's prompt as the previous
-        prompt + its exact output ids + these ids. Without assistant turns: (encode, []).
-        """
-        chat = [dict(m) for m in messages]
-        if any(TURN_SENTINEL in m.get("content", "") for m in chat):
-            raise ChatTemplateError(f"a message holds the marker {TURN_SENTINEL!r}")
-        cuts = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
-        first = self.encode(chat[:cuts[0]] if cuts else chat)
-        between = []
-        for n in range(len(cuts)):
-            end = cuts[n + 1] if n + 1 < len(cuts) else len(chat)
-            text = self.render([{**m, "content": TURN_SENTINEL} if m["role"] == "assistant"
-                                else m for m in chat[:end]])
-            after = text[text.rindex(TURN_SENTINEL) + len(TURN_SENTINEL):]
-            between.append(list(self._tokenizer(after, add_special_tokens=False)["input_ids"]))
-        return first, between
-
-    def render(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt text the template produces for one conversation."""
-        return self.render_batch([messages])[0]
-
-    def render_batch(self, conversations: Sequence[Sequence[Mapping[str, str]]]) -> list[str]:
-        chats = [[dict(m) for m in conversation] for conversation in conversations]
-        if not chats:
-            return []
-        try:
-            return self._render(chats)
-        except Exception as batch_exc:
-            # One bad conversation fails the whole batch; find it so the caller can drop it.
-            for index, chat in enumerate(chats):
-                try:
-                    self._render([chat])
-                except Exception as exc:
-                    raise _template_error(exc, index) from exc
-            raise _template_error(batch_exc) from batch_exc
-
-    def encode_batch(self, conversations: Sequence[Sequence[Mapping[str, str]]]) -> list[list[int]]:
-        """Same ids as `encode` on each conversation, with one batched tokenizer call."""
-        texts = self.render_batch(conversations)
-        if not texts:
-            return []
-        # The template already wrote bos and the markers; adding special tokens would double them.
-        encoded = self._tokenizer(
-            texts,
-            add_special_tokens=False,
-            return_attention_mask=False,
-            return_token_type_ids=False,
-        )
-        return encoded["input_ids"]
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def _render(self, chats: list[list[dict[str, str]]]) -> list[str]:
-        for chat in chats:
-            if not chat:
-                raise ValueError("empty conversation")
-        return self._tokenizer.apply_chat_template(
-            chats, add_generation_prompt=True, tokenize=False, **self.template_kwargs
-        )
-
-
-def _template_error(exc: Exception, index: int | None = None) -> ChatTemplateError:
-    where = f"conversation {index}: " if index is not None else ""
-    return ChatTemplateError(f"{where}chat template failed: {exc}", index)

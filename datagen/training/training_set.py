@@ -4,7 +4,7 @@
 
     <output_dir>/training/shards/shard_00000.jsonl  {"idx","id","dataset","prompt_ids","output_ids"}
     <output_dir>/training/specforge_prompts.jsonl   {"id","dataset","input_ids","loss_mask"} (exact)
-    <output_dir>/training/conversations.jsonl       {"id","conversations":[{"role","content"}]}
+    <output_dir>/training/conversations.jsonl       {"id","conversations","tools"?} (text_rows.py)
     <output_dir>/training/manifest.json             counts, tokens, seed, shards with sha256
 
 Rules, in order: records without token ids are dropped (old format); truncated responses are
@@ -30,7 +30,7 @@ import json
 import logging
 import struct
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +53,7 @@ from datagen.generation.records import (
 from datagen.operations.progress import Progress
 from datagen.training import handoff
 from datagen.training.sample_table import Entry, SampleTable, drop_collisions, shuffle_order
+from datagen.training.text_rows import TextRows
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,7 @@ MANIFEST_NAME = "manifest.json"
 CONVERSATIONS_NAME = "conversations.jsonl"
 MANIFEST_VERSION = 1
 
-Decode = Callable[[Sequence[int]], str]
-LoadDecode = Callable[[], Decode]  # loads the tokenizer, returns its decode
+LoadRows = Callable[[], TextRows]  # loads the tokenizer, returns the text rows' writer
 PLACE = struct.Struct("<HQ")  # a written sample's (dataset number, offset), for the second pass
 
 
@@ -111,6 +111,7 @@ class TrainingSet:
     shards: list[dict[str, Any]] = field(default_factory=list)
     fingerprint: str = ""
     conversations: str | None = None
+    text_rows: dict[str, int] = field(default_factory=dict)  # exact / inexact (text_rows.py)
     online_rows: str | None = None
     lengths: dict[str, handoff.LengthCount] = field(default_factory=dict)
     directory: str = ""
@@ -126,13 +127,13 @@ class TrainingSet:
 
 def prepare(settings: Settings,
             committed: Mapping[str, Mapping[str, str] | Committed | None],
-            load_decode: LoadDecode | None, force: bool = False) -> TrainingSet:
+            load_rows: LoadRows | None, force: bool = False) -> TrainingSet:
     """Merge, filter, deduplicate, shuffle and write the shards, conversations and manifest.
 
     ``committed``: per dataset the ledger's done map (None when Redis is not reachable: every
-    record on disk counts), asked for one dataset at a time. ``load_decode``: loads the
-    tokenizer and returns its token ids -> text, called once the shards are written; None
-    skips the conversations."""
+    record on disk counts), asked for one dataset at a time. ``load_rows``: loads the
+    tokenizer and returns the text rows' writer (``text_rows.TextRows``), called once the
+    shards are written; None skips the conversations."""
     out = Path(settings.output_dir)
     folder = training_dir(out)
     tset = TrainingSet([], [], directory=str(folder))
@@ -153,8 +154,10 @@ def prepare(settings: Settings,
         del order
         names = table.datasets
         table.free()
-        if load_decode is not None:
-            tset.conversations = str(_write_conversations(out, names, places, load_decode()))
+        if load_rows is not None:
+            rows_writer = load_rows()
+            tset.conversations = str(_write_conversations(out, names, places, rows_writer))
+            tset.text_rows = {"exact": rows_writer.exact, "inexact": rows_writer.inexact}
     _write_manifest(folder, tset, settings)
     return tset
 
@@ -185,7 +188,7 @@ class _Besides:
 
 
 def _write_conversations(out: Path, datasets: list[str], places: BinaryIO,
-                         decode: Decode) -> Path:
+                         rows: TextRows) -> Path:
     """conversations.jsonl in shard order: each record read again where the shard pass
     found it."""
     path = training_dir(out) / CONVERSATIONS_NAME
@@ -196,7 +199,7 @@ def _write_conversations(out: Path, datasets: list[str], places: BinaryIO,
         while chunk := places.read(PLACE.size * 65_536):
             for number, offset in PLACE.iter_unpack(chunk):
                 record = reader.read(datasets[number], offset)
-                conversations.write(_conversation_line(record, decode))
+                conversations.write(rows.line(record))
             progress.update(len(chunk) // PLACE.size)
     progress.close()
     return path
@@ -348,18 +351,6 @@ def _shard_line(idx: int, record: dict[str, Any], digest: Any, out: Path) -> str
     return line
 
 
-def _conversation_line(record: dict[str, Any], decode: Decode) -> str:
-    ids = record["prompt_ids"] + record["output_ids"]
-    spans = loss_spans(record) or [[len(record["prompt_ids"]), len(ids)]]
-    # regenerate = "all": the earlier assistant turns are the generated ones, not the input's.
-    generated = iter(decode(ids[a:b]) for a, b in spans[:-1])
-    turns = [{"role": m["role"], "content": next(generated, m["content"])
-              if m["role"] == "assistant" else m["content"]} for m in record.get("messages", [])]
-    turns.append({"role": "assistant", "content": decode(ids[slice(*spans[-1])])})
-    return json.dumps({"id": str(record["id"]), "conversations": turns},
-                      ensure_ascii=False) + "\n"
-
-
 def _write_manifest(folder: Path, tset: TrainingSet, settings: Settings) -> None:
     manifest = {
         "version": MANIFEST_VERSION,
@@ -372,6 +363,7 @@ def _write_manifest(folder: Path, tset: TrainingSet, settings: Settings) -> None
         "datasets": {d.dataset: {**asdict(d), "tokens": d.tokens} for d in tset.datasets},
         "collisions": [{"id": i, "kept": a, "dropped": b} for i, a, b in tset.collisions],
         "conversations": CONVERSATIONS_NAME if tset.conversations else None,
+        "text_rows": tset.text_rows,
         "online_rows": handoff.ONLINE_ROWS_NAME,
         "length_rule": {"train_max_length": settings.train_max_length,
                         "overlong": settings.extract_overlong,
@@ -420,7 +412,10 @@ def render(tset: TrainingSet) -> str:
                  f"{tset.directory}/{SHARDS_DIR}; manifest {MANIFEST_NAME}")
     lines += _length_lines(tset)
     lines.append(f"pre-tokenized rows (exact, for online training): {tset.online_rows}")
-    lines.append(f"conversations (text, re-tokenized by the trainer: lossy): "
+    exact = tset.text_rows.get("exact", 0)
+    inexact = tset.text_rows.get("inexact", 0)
+    lines.append(f"conversations (text, re-tokenized by the trainer; {exact:,} rebuild the ids "
+                 f"exactly, {inexact:,} as decoded text): "
                  f"{tset.conversations or 'not written (no tokenizer)'}")
     return "\n".join(lines)
 

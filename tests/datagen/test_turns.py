@@ -11,7 +11,7 @@ from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
 from datagen.client import Generation
 from datagen.generation.job import Job, Prompt
 from datagen.generation.turns import Conversation, Stopped, generate_turns
-from datagen.tokenization.tokenizer import ChatEncoder, ChatTemplateError
+from datagen.tokenization.chat import ChatEncoder, ChatTemplateError
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is a budget?"},
@@ -39,10 +39,32 @@ def test_turn_ids_rebuild_exactly_what_the_template_writes_for_the_generated_his
     assert len(between) == 2 and all(b[0] == kimi.eos_token_id for b in between)
     ids = first + outputs[0] + between[0][1:] + outputs[1] + between[1][1:]
     # Then: they are the template's rendering of the conversation with the generated answers
+    # (which writes an earlier turn as <think></think> and its text, the thinking-off prompt)
     history = [dict(m) for m in CHAT]
-    history[2]["content"], history[4]["content"] = (f"<think></think>{g}" for g in generated)
+    history[2]["content"], history[4]["content"] = generated
     assert ids == kimi.encode(history)
     assert first == kimi.encode(CHAT[:2])
+
+
+def test_all_is_refused_where_the_template_drops_earlier_turns_thinking(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Kimi-K2.5 with thinking on: the generation prompt ends on <think>, while an earlier turn
+    # is rendered <think></think> + its text, so its generated reasoning would be in the ids
+    # of the next context where the served target never sees it.
+    folder = build_tiktoken_tokenizer(tmp_path_factory.mktemp("kimi-think") / "tok")
+    thinking = ChatEncoder(folder, {"thinking": True}, trust_remote_code=True)
+    with pytest.raises(ChatTemplateError, match="renders assistant turn 1 in the history"):
+        thinking.encode_turns(CHAT)
+    assert thinking.encode_turns(CHAT[:2]) == (thinking.encode(CHAT[:2]), [])
+
+
+def test_all_is_refused_for_a_conversation_with_tool_calls(kimi: ChatEncoder) -> None:
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "c1", "type": "function",
+                            "function": {"name": "f", "arguments": {}}}]}
+    agent = [*CHAT[:2], call, {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+    with pytest.raises(ChatTemplateError, match="tool calls or results"):
+        kimi.encode_turns(agent)
 
 
 def test_a_conversation_without_assistant_turns_is_one_turn(kimi: ChatEncoder) -> None:

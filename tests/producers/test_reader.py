@@ -78,9 +78,11 @@ def test_trailing_assistant_turn_is_dropped_and_history_kept(tmp_path: Path) -> 
     assert prompt.messages == tuple(turns[:3])
 
 
-def test_extra_turn_keys_are_dropped_from_messages(tmp_path: Path) -> None:
+def test_extra_turn_keys_reach_the_template_unchanged(tmp_path: Path) -> None:
+    # A template may read them (Kimi's renders a turn's `name` as its role).
     record = {"messages": [{**USER, "name": "bob", "weight": 1}]}
-    assert only_prompt(write_lines(tmp_path / "d.jsonl", [record])).messages == (USER,)
+    assert only_prompt(write_lines(tmp_path / "d.jsonl", [record])).messages == (
+        {**USER, "name": "bob", "weight": 1},)
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -94,9 +96,42 @@ BAD_LINES = [
     ('{"messages": "hi"}', ["'messages' must be a list"]),
     ('{"messages": [{"role": "assistant", "content": "A"}]}', ["empty after dropping"]),
     ('{"messages": [{"role": "user"}]}', ["turn 1", "'role' and 'content'"]),
-    ('{"messages": [{"role": "user", "content": ["a"]}]}', ["turn 1", "must be a string"]),
+    ('{"messages": [{"role": "user", "content": ["a"]}]}', ["turn 1", "part 1 is not a text part"]),
+    ('{"messages": [{"role": "user", "content": 5}]}', ["turn 1", "string or a list of parts"]),
     ('{"messages": [{"role": "tool", "content": "1"}, {"role": "user", "content": "q"}]}',
-     ["turn 1", "unknown role 'tool'"]),
+     ["turn 1", "a 'tool' turn with no tool call before it"]),
+    ('{"messages": [{"role": "wizard", "content": "1"}]}', ["turn 1", "unknown role 'wizard'"]),
+    # agent lines: the reason names the turn, the call or the tool
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
+     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{oops"}}]}, '
+     '{"role": "tool", "tool_call_id": "c1", "content": "r"}]}',
+     ["turn 2: tool call 1 (f): arguments are not JSON"]),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
+     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1]"}}]}, '
+     '{"role": "tool", "tool_call_id": "c1", "content": "r"}]}',
+     ["turn 2: tool call 1 (f): arguments must be a JSON object, got array"]),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
+     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": {}}}]}, '
+     '{"role": "tool", "tool_call_id": "c9", "content": "r"}]}',
+     ["turn 3: tool_call_id 'c9' answers no call"]),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, '
+     '{"role": "tool", "content": "r"}]}', ["turn 3: a 'tool' turn with no tool call"]),
+    ('{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]}',
+     ["tools[1]: not a function spec"]),
+    ('{"messages": [{"role": "user", "content": "q"}], "tools": "{not json"}',
+     ["'tools' is a string but not JSON"]),
+    ('{"messages": [{"role": "user", "content": "q"}], "tools": {"name": "f"}}',
+     ["'tools' must be a list of function specs, got object"]),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, '
+     '{"type": "image_url", "image_url": {"url": "x.png"}}]}]}',
+     ["turn 1: part 2 is 'image_url': media cannot be generated from token ids"]),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}',
+     ["turn 2: content is null"]),
+    ('{"messages": [{"role": "user", "content": "q", "reasoning_content": "r"}]}',
+     ["turn 1: reasoning on a 'user' turn"]),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", '
+     '"value": "{bad"}, {"from": "observation", "value": "r"}]}',
+     ["turn 2: function_call is not JSON"]),
     ('{"conversations": [{"from": "bing", "value": "q"}]}', ["unknown role 'bing'"]),
     ('{"messages": ["hi"]}', ["turn 1", "expected an object"]),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}]}',
@@ -313,7 +348,7 @@ DEMO_COUNTS = {  # dataset: (prompts, bad lines, words that must appear in the b
     "A1_code": (80, 1, ["empty 'conversations'"]),
     "A2_longdoc": (40, 1, ["empty after dropping the trailing assistant turn"]),
     "B1_chat": (120, 2, ["invalid JSON", "duplicate of"]),
-    "B2_math": (100, 1, ["unknown role 'tool'"]),
+    "B2_math": (100, 1, ["a 'tool' turn with no tool call before it"]),
 }
 
 

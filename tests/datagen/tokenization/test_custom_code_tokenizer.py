@@ -12,12 +12,8 @@ import pytest
 
 from config.settings import load_settings
 from datagen.builders.tiktoken_fixture import CLASS_NAME, MODULE_NAME, build_tiktoken_tokenizer
-from datagen.tokenization.tokenizer import (
-    ChatEncoder,
-    TokenizerError,
-    build_tiny_tokenizer,
-    read_tokenizer_info,
-)
+from datagen.tokenization.chat import ChatEncoder
+from datagen.tokenization.tokenizer import TokenizerError, build_tiny_tokenizer, read_tokenizer_info
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Explain the budget of a dataset, please."}]

@@ -7,12 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen.tokenization.tokenizer import (
-    ChatEncoder,
-    ChatTemplateError,
-    build_tiny_tokenizer,
-    read_tokenizer_info,
-)
+from datagen.tokenization.chat import ChatEncoder, ChatTemplateError
+from datagen.tokenization.tokenizer import build_tiny_tokenizer, read_tokenizer_info
 from producers.reader import Prompt, discover_datasets, read_dataset
 
 DEMO = Path(__file__).resolve().parents[3] / "data" / "demo" / "partition"
@@ -106,10 +102,10 @@ def test_enable_thinking_false_appends_an_empty_think_block(tokenizer_dir: Path)
 
 
 def test_unknown_role_raises_value_error_naming_it(encoder: ChatEncoder) -> None:
-    bad = [{"role": "tool", "content": "x"}]
-    with pytest.raises(ValueError, match="unknown role 'tool'"):
+    bad = [{"role": "wizard", "content": "x"}]
+    with pytest.raises(ValueError, match="unknown role 'wizard'"):
         encoder.encode(bad)
-    with pytest.raises(ValueError, match="conversation 1: .*unknown role 'tool'") as caught:
+    with pytest.raises(ValueError, match="conversation 1: .*unknown role 'wizard'") as caught:
         encoder.encode_batch([CONVERSATIONS[0], bad, CONVERSATIONS[1]])
     assert isinstance(caught.value, ChatTemplateError) and caught.value.index == 1
 

@@ -13,6 +13,7 @@ from conftest import write_jsonl
 
 from config.settings import Settings
 from datagen.generation.records import merged_path
+from datagen.training.text_rows import TextRows
 from datagen.training.training_set import (
     TrainingSetChanged,
     extraction_dir,
@@ -137,7 +138,7 @@ def test_conversations_are_the_history_plus_the_decoded_response(tmp_path, encod
     write_records(out, "B1", [rec])
 
     tset = prepare(settings_for(out), {},
-                   lambda: lambda x: encoder.decode(x, skip_special_tokens=True))
+                   lambda: TextRows(encoder))
 
     lines = Path(tset.conversations).read_text().splitlines()
     assert [json.loads(x) for x in lines] == [{"id": "c1", "conversations": [
@@ -178,7 +179,7 @@ def test_the_tokenizer_is_loaded_after_the_shards_are_written(tmp_path, encoder)
 
     def load():
         seen.append(len(list((training_dir(out) / "shards").glob("shard_*.jsonl"))))
-        return lambda ids: encoder.decode(ids, skip_special_tokens=True)
+        return TextRows(encoder)
 
     tset = prepare(settings_for(out), {}, load)
 

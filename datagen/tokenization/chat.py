@@ -1,0 +1,213 @@
+"""Prompt ids from a conversation, exactly as the target's chat template renders it.
+
+``ChatEncoder`` renders ``apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+**chat_template_kwargs)`` over the conversation up to the turn generated (``datagen.
+conversation``'s messages; the last one a user or a tool turn) and tokenizes the text without
+adding special tokens, which is what SGLang's and vLLM's `/generate` take. Content given as a
+list of text parts reaches a template that loops over a message's parts unchanged; any other
+template gets the parts' text joined by one space. That is SGLang 0.5.23's rule
+(``detect_jinja_template_content_format``, ``process_content_for_template_format``), so the
+ids are those the served target would see for the same chat request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from datagen.conversation import text_of
+from datagen.tokenization.tokenizer import TokenizerError, load_tokenizer
+
+Chat = Sequence[Mapping[str, Any]]
+Tools = Sequence[Any] | None
+
+# Stands for a generated assistant turn while the template renders what follows it.
+TURN_SENTINEL = "<<datagen:generated-turn>>"
+MEDIA_WORDS = ("image", "audio", "video", "vision")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused a conversation; index is its position in a batch, if any."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+def content_format(template: str) -> str:
+    """"openai" when the template loops over a message's content parts, else "string"."""
+    if any(word in template for word in MEDIA_WORDS):
+        return "openai"  # SGLang's shortcut: a multimodal template reads parts
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    for loop in tree.find_all(nodes.For):
+        target = loop.iter
+        while isinstance(target, (nodes.Filter, nodes.Test)) and target.node is not None:
+            target = target.node
+        if isinstance(target, nodes.Getattr) and target.attr == "content":
+            return "openai"
+        if (isinstance(target, nodes.Getitem) and isinstance(target.arg, nodes.Const)
+                and target.arg.value == "content"):
+            return "openai"
+    return "string"
+
+
+class ChatEncoder:
+    """Renders conversations with a tokenizer's chat template and returns prompt token ids.
+
+    template_kwargs go to the template on every call (e.g. `{"enable_thinking": False}`, or
+    Kimi's `{"thinking": False}`). Template failures (unknown role, missing content) raise
+    ChatTemplateError, a ValueError whose `.index` names the failing conversation of a batch
+    so the caller can drop it and retry.
+    """
+
+    def __init__(
+        self, tokenizer_path: str | Path, template_kwargs: Mapping[str, Any] | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+        template = getattr(self._tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default is the one used
+            template = template.get("default")
+        if not template:
+            raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
+                                 "chat template")
+        if self._tokenizer.eos_token_id is None:
+            raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
+                                 "eos token")
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
+        self.content_format = content_format(template)
+        self.eos_token_id: int = int(self._tokenizer.eos_token_id)
+        # len() counts added tokens too, which is what an embedding table must cover.
+        self.vocab_size: int = len(self._tokenizer)
+
+    def encode(self, messages: Chat, tools: Tools = None) -> list[int]:
+        """Token ids of one conversation followed by the assistant generation prompt."""
+        return self.encode_batch([messages], [tools])[0]
+
+    def tokens(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_turns(self, messages: Chat, tools: Tools = None
+                     ) -> tuple[list[int], list[list[int]]]:
+        """Ids for generating every assistant turn of a conversation, in order
+        (``regenerate = "all"``).
+
+        Returns the first turn's prompt (the messages before the first assistant turn, with
+        the generation prompt) and, for each later turn, the ids the template writes between
+        the turn before it and its generation: that turn's close, the messages up to the next
+        assistant turn, the generation prompt. The assistant contents themselves are left
+        out (they are generated), so a worker builds each turn's prompt as the previous
+        prompt + its exact output ids + these ids. Without assistant turns: (encode, []).
+
+        Refused (ChatTemplateError) where that cannot be exact: a conversation with tool calls
+        or results (a regenerated call no longer matches the recorded result), and a template
+        that renders an assistant turn in the history otherwise than its generation prompt
+        followed by the turn (a thinking template that drops the reasoning of earlier turns).
+        """
+        chat = [dict(m) for m in messages]
+        if any(TURN_SENTINEL in text_of(m.get("content") or "") for m in chat):
+            raise ChatTemplateError(f"a message holds the marker {TURN_SENTINEL!r}")
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in chat):
+            raise ChatTemplateError("regenerate = 'all' cannot be exact for a conversation "
+                                    "with tool calls or results (a regenerated call no longer "
+                                    "matches its recorded result); use regenerate = 'each'")
+        cuts = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
+        generated = [{"role": "assistant", "content": TURN_SENTINEL} if m["role"] == "assistant"
+                     else m for m in chat]
+        first = self.encode(chat[:cuts[0]] if cuts else chat, tools)
+        between = []
+        for n, cut in enumerate(cuts):
+            end = cuts[n + 1] if n + 1 < len(cuts) else len(chat)
+            text = self.render(generated[:end], tools)
+            self._check_history(generated[:cut], text, n + 1, tools)
+            after = text[text.rindex(TURN_SENTINEL) + len(TURN_SENTINEL):]
+            between.append(self.tokens(after))
+        return first, between
+
+    def _check_history(self, before: Chat, text: str, turn: int, tools: Tools) -> None:
+        """The template writes a generated turn into the history as its generation prompt
+        followed by the turn's ids, or the concatenated ids are not what it would render."""
+        if text[:text.rindex(TURN_SENTINEL)] != self.render(before, tools):
+            raise ChatTemplateError(
+                f"regenerate = 'all' cannot be exact with this template: it renders assistant "
+                f"turn {turn} in the history otherwise than its generation prompt followed by "
+                "the turn (thinking dropped from earlier turns?); use regenerate = 'each'")
+
+    def render_conversation(self, messages: Chat, tools: Tools = None) -> str:
+        """The whole conversation's text, its last turn included: no generation prompt (what
+        a trainer's parser renders)."""
+        return self._render_one([self._message(m) for m in messages], tools, generation=False)
+
+    def render(self, messages: Chat, tools: Tools = None) -> str:
+        """The prompt text the template produces for one conversation."""
+        return self.render_batch([messages], [tools])[0]
+
+    def render_batch(self, conversations: Sequence[Chat],
+                     tools: Sequence[Tools] | None = None) -> list[str]:
+        chats = [[self._message(m) for m in conversation] for conversation in conversations]
+        tool_lists = list(tools) if tools is not None else [None] * len(chats)
+        if not chats:
+            return []
+        try:
+            return self._render(chats, tool_lists)
+        except Exception as batch_exc:
+            # One bad conversation fails the whole batch; find it so the caller can drop it.
+            for index, (chat, chat_tools) in enumerate(zip(chats, tool_lists, strict=True)):
+                try:
+                    self._render([chat], [chat_tools])
+                except Exception as exc:
+                    raise _template_error(exc, index) from exc
+            raise _template_error(batch_exc) from batch_exc
+
+    def encode_batch(self, conversations: Sequence[Chat],
+                     tools: Sequence[Tools] | None = None) -> list[list[int]]:
+        """Same ids as `encode` on each conversation, with one batched tokenizer call."""
+        texts = self.render_batch(conversations, tools)
+        if not texts:
+            return []
+        # The template already wrote bos and the markers; adding special tokens would double them.
+        encoded = self._tokenizer(
+            texts,
+            add_special_tokens=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return encoded["input_ids"]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def _message(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(message)
+        if self.content_format == "string" and isinstance(out.get("content"), list):
+            out["content"] = text_of(out["content"])
+        return out
+
+    def _render(self, chats: list[list[dict[str, Any]]], tools: list[Tools]) -> list[str]:
+        for chat in chats:
+            if not chat:
+                raise ValueError("empty conversation")
+        if all(t is None for t in tools):
+            return self._tokenizer.apply_chat_template(
+                chats, add_generation_prompt=True, tokenize=False, **self.template_kwargs)
+        # A batch shares one `tools`: conversations with tools render one at a time.
+        return [self._render_one(chat, chat_tools) for chat, chat_tools in zip(chats, tools,
+                                                                                strict=True)]
+
+    def _render_one(self, chat: list[dict[str, Any]], tools: Tools,
+                    generation: bool = True) -> str:
+        return self._tokenizer.apply_chat_template(
+            chat, tools=list(tools) if tools else None, add_generation_prompt=generation,
+            tokenize=False, **self.template_kwargs)
+
+
+def _template_error(exc: Exception, index: int | None = None) -> ChatTemplateError:
+    where = f"conversation {index}: " if index is not None else ""
+    return ChatTemplateError(f"{where}chat template failed: {exc}", index)
