@@ -10,6 +10,11 @@ assistant turns to drop, and five deliberately bad lines so the demo shows the b
     A1_code      80 prompts, 2 files, SpecForge;         bad: empty conversations
     A2_longdoc   40 prompts, 1 file, OpenAI, long documents (1.5K-3K tokens, the `long` queue);
                  bad: nothing left after dropping the trailing assistant turn
+    C1_agent     24 prompts, 1 file, agent trajectories: OpenAI with `tools`, `tool_calls`,
+                 `tool` results and reasoning, ending on a result, an answer or a pending call,
+                 and ShareGPT `function_call`/`observation`; bad: an unknown tool_call_id
+    C2_think     16 prompts, 1 file, thinking chats (`reasoning_content` on earlier turns), the
+                 last user turn in OpenAI text parts; bad: an image part
 """
 
 from __future__ import annotations
@@ -142,6 +147,80 @@ def a2_longdoc(rng: random.Random) -> list[str]:
     return lines
 
 
+AGENT_TOOLS = [
+    {"type": "function", "function": {
+        "name": "read_file", "description": "Read a file of the repository",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                       "required": ["path"]}}},
+    {"type": "function", "function": {
+        "name": "run_tests", "description": "Run the test suite, or one test file",
+        "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}}]
+FILES = ["setup.py", "src/app/cache.py", "src/app/cli.py", "tests/test_cache.py", "README.md"]
+BUGS = ["the cache never expires entries", "the CLI ignores the --verbose flag",
+        "a test fails on an empty input", "the build fails after the last upgrade"]
+
+
+def agent_turns(rng: random.Random, i: int) -> list[dict[str, Any]]:
+    turns: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. Use the tools to inspect the "
+                                      "repository before you answer."},
+        {"role": "user", "content": f"Please find out why {rng.choice(BUGS)}."}]
+    for step in range(rng.randint(1, 3)):
+        name = rng.choice(["read_file", "run_tests"])
+        args = {"path": rng.choice(FILES)} if name == "read_file" else {"target": "tests/"}
+        call_id = f"functions.{name}:{step}"
+        turns.append({"role": "assistant", "content": None,
+                      "reasoning_content": f"Step {step + 1}: check with {name}.",
+                      "tool_calls": [{"id": call_id, "type": "function", "function": {
+                          "name": name, "arguments": json.dumps(args)}}]})
+        result = (f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed"
+                  if name == "run_tests" else f"def handler():\n    return {rng.randint(1, 9)}")
+        turns.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": result})
+    if i % 3 == 1:
+        turns.append({"role": "assistant", "content": "The handler returns a constant.",
+                      "reasoning_content": "The results show it."})
+    elif i % 3 == 2:
+        turns.append({"role": "assistant", "content": None, "tool_calls": [{
+            "id": "functions.run_tests:9", "type": "function",
+            "function": {"name": "run_tests", "arguments": {"target": "tests/"}}}]})
+    return turns
+
+
+def sharegpt_agent(path: str) -> dict[str, Any]:
+    return {"tools": json.dumps([t["function"] for t in AGENT_TOOLS]), "conversations": [
+        {"from": "human", "value": f"What does {path} do?"},
+        {"from": "function_call", "value": json.dumps({"name": "read_file",
+                                                       "arguments": {"path": path}})},
+        {"from": "observation", "value": f"# {path}\nimport os\n"}]}
+
+
+def c1_agent(rng: random.Random) -> list[str]:
+    rows = [{"id": f"traj-{i:02d}", "tools": AGENT_TOOLS, "messages": agent_turns(rng, i)}
+            for i in range(20)]
+    rows += [{"id": f"glaive-{i}", **sharegpt_agent(FILES[i])} for i in range(4)]
+    lines = [dump(r) for r in rows]
+    bad = agent_turns(rng, 0)
+    bad[3] = {**bad[3], "tool_call_id": "functions.unknown:7"}
+    lines.insert(12, dump({"id": "traj-bad", "tools": AGENT_TOOLS, "messages": bad}))
+    return lines
+
+
+def c2_think(rng: random.Random) -> list[str]:
+    lines = []
+    for i in range(16):
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        lines.append(dump({"id": f"think-{i:02d}", "messages": [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": str(a + b),
+             "reasoning_content": f"{a} plus {b} is {a + b}."},
+            {"role": "user", "content": [{"type": "text", "text": "Now multiply them."},
+                                         {"type": "text", "text": "Show the steps."}]}]}))
+    lines.insert(8, dump({"id": "think-image", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "file:///tmp/cat.png"}}]}]}))
+    return lines
+
+
 def dump(row: dict[str, Any]) -> str:
     return json.dumps(row, ensure_ascii=False)
 
@@ -161,6 +240,9 @@ def main() -> None:
     write(OUT / "A1_code" / "part-000.jsonl", code_a)
     write(OUT / "A1_code" / "part-001.jsonl", code_b)
     write(OUT / "A2_longdoc" / "documents.jsonl", a2_longdoc(rng))
+    rng = random.Random(SEED + 1)  # the four datasets above stay byte for byte what they were
+    write(OUT / "C1_agent" / "trajectories.jsonl", c1_agent(rng))
+    write(OUT / "C2_think" / "chats.jsonl", c2_think(rng))
 
 
 if __name__ == "__main__":

@@ -349,6 +349,8 @@ DEMO_COUNTS = {  # dataset: (prompts, bad lines, words that must appear in the b
     "A2_longdoc": (40, 1, ["empty after dropping the trailing assistant turn"]),
     "B1_chat": (120, 2, ["invalid JSON", "duplicate of"]),
     "B2_math": (100, 1, ["a 'tool' turn with no tool call before it"]),
+    "C1_agent": (24, 1, ["tool_call_id 'functions.unknown:7' answers no call"]),
+    "C2_think": (16, 1, ["part 2 is 'image_url': media cannot be generated"]),
 }
 
 

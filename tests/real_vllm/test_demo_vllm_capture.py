@@ -59,7 +59,7 @@ def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass
     with saved_ledger(work / "redis" / "dump.rdb") as url:
         ledger = Ledger.from_settings(settings.replace(redis_url=url))
         stats = {d: ledger.snapshot(d)["stats"] for d in ledger.datasets()}
-    assert set(stats) == {"A1_code", "A2_longdoc", "B1_chat", "B2_math"}
+    assert set(stats) == {"A1_code", "A2_longdoc", "B1_chat", "B2_math", "C1_agent", "C2_think"}
     for dataset, counted in stats.items():
         recs = [json.loads(x) for x in
                 (output / dataset / "raw_responses.jsonl").read_text().splitlines()]
