@@ -333,7 +333,7 @@ def _extract(started: float, config: Path, timeout_s: float) -> int:
     print(f"\ndemo finished in {time.monotonic() - started:.0f}s\n"
           f"  training set (shards, manifest):    {tset.directory}\n"
           f"  pre-tokenized rows (online, exact): {tset.online_rows}\n"
-          f"  conversations (online, lossy):      {tset.conversations}\n"
+          f"  conversations (online, text):       {tset.conversations}\n"
           f"  SpecForge handoff (offline):        {out}  (data_<idx>.ckpt under rows_*/, "
           f"{handoff.RUN_CONFIG_NAME})")
     return code

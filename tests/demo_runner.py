@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
+from typing import Any
 
 from cli.stack import REPO
 
@@ -34,3 +36,18 @@ def run_demo(argv: list[str], timeout_s: float,
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def assert_agent_turns(work: Path, records: list[dict[str, Any]]) -> int:
+    """The demo's agent trajectories went through: each prompt is the demo template's
+    rendering of the history with the record's tools, many of them ending on a tool result.
+    Returns how many agent records there were."""
+    from datagen.tokenization.chat import ChatEncoder
+
+    encoder = ChatEncoder(work / "tokenizer")
+    agent = [r for r in records if r["dataset"] == "C1_agent"]
+    assert agent and all(r["tools"] for r in agent if not r["id"].startswith("glaive"))
+    for rec in agent:
+        assert rec["prompt_ids"] == encoder.encode(rec["messages"], rec.get("tools"))
+    assert sum(r["messages"][-1]["role"] == "tool" for r in agent) >= len(agent) // 2
+    return len(agent)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from demo_runner import run_demo
+from demo_runner import assert_agent_turns, run_demo
 from sglang_fixture import skip_or_fail
 
 from cli import sglang, sglang_log
@@ -40,6 +40,8 @@ def test_the_demo_generates_with_a_real_sglang_and_extracts(tmp_path: Path) -> N
         seen = answered[rec["rid"]]
         assert seen.normal and seen.completion_tokens == rec["completion_tokens"], rec["rid"]
         assert seen.max_new_tokens <= 32
+    # ... the agent trajectories (tools, calls, results) among them, prompts as rendered
+    assert assert_agent_turns(work, records) == 24
     # ... some datasets closed by their budget, and extraction wrote SpecForge's files
     assert "closed by budget: none" not in result.stdout
     hidden = work / "output" / "training" / "hidden_states"

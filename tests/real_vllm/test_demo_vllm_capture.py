@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from demo_runner import demo_env, run_demo
+from demo_runner import assert_agent_turns, demo_env, run_demo
 from vllm_fixture import vllm_python
 
 from cli.saved import saved_ledger
@@ -60,14 +60,18 @@ def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass
         ledger = Ledger.from_settings(settings.replace(redis_url=url))
         stats = {d: ledger.snapshot(d)["stats"] for d in ledger.datasets()}
     assert set(stats) == {"A1_code", "A2_longdoc", "B1_chat", "B2_math", "C1_agent", "C2_think"}
+    every: list[dict] = []
     for dataset, counted in stats.items():
         recs = [json.loads(x) for x in
                 (output / dataset / "raw_responses.jsonl").read_text().splitlines()]
+        every += recs
         assert len({r["id"] for r in recs}) == len(recs) == counted["samples"], dataset
         assert sum(r["completion_tokens"] for r in recs) == counted["tokens"], dataset
         for rec in recs:
             ids = rec["prompt_ids"] + rec["output_ids"][:-1]
             assert capture.check_file(output / rec["states"], ids) == rec["states_bytes"]
+    # ... the agent trajectories (tools, calls, results) generated on vLLM among them
+    assert assert_agent_turns(work, every) == 24
 
     # and the training folder built from those files by `captured`: no engine, no forward
     folder = output / "training" / "hidden_states"
