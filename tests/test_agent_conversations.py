@@ -295,3 +295,33 @@ def test_each_turn_runs_as_its_own_sample_through_a_kill_and_a_restart(kimi_stac
     assert (again.read, again.already_done, again.enqueued) == (20, 20, 0)
     assert not [e for e in stack.sim_log() if e["event"] == "start" and e["time"] > started]
     assert len(list(iter_records(records_dir(settings.output_dir, "C1")))) >= 20
+
+
+def test_a_budget_closes_a_dataset_of_turns_and_no_turn_starts_after(kimi_stack: Stack):
+    # Given: 40 trajectories' 80 turns, a budget of about 15 of them
+    stack = kimi_stack
+    stack.start_simulator("--lengths", "uniform:20:40", "--decode-step-s", "0.005")
+    write_jsonl(stack.tmp / "partition" / "C1.jsonl", agent_lines(40))
+    settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=4,
+                               short_max_tokens=64, trust_remote_code=True,
+                               regenerate="each", budgets={"C1": 450}, token_budget=10**6)
+    stack.worker("short")
+    stack.wait_workers(1)
+
+    # When: the run goes until the dataset closes
+    ledger = stack.ledger()
+    Producer(settings, stack.app(), ledger).run()
+    follow(ledger, 0.3, app=stack.app(), timeout_s=180)
+
+    # Then: closed at its budget, the turns done counted once, none started after the close
+    snap = ledger.snapshot("C1")
+    assert snap["closed"] == "budget" and snap["pending"] == 0
+    assert 450 <= snap["tokens"] and snap["stats"]["samples"] < 80
+    merged = merge_dataset(settings.output_dir, "C1", ledger.committed("C1"))
+    records = [json.loads(x) for x in Path(merged.path).read_text().splitlines()]
+    assert snap["tokens"] == sum(r["completion_tokens"] for r in records)
+    closed_at = min(e["t"] for e in ledger.events("C1") if e["e"].startswith("closed"))
+    assert not [e for e in stack.sim_log() if e["event"] == "start" and e["time"] > closed_at]
+    # ... and a restart skips it: nothing enqueued
+    (again,) = Producer(settings, stack.app(), ledger).run()
+    assert again.enqueued == 0 and "budget" in again.skipped
