@@ -70,10 +70,7 @@ def tools_of(value: Any) -> list[Any] | None:
     if isinstance(value, str):
         if not value.strip():
             return None
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ConversationError(f"'tools' is a string but not JSON: {exc.msg}") from None
+        value = _loads(value, "'tools' is a string but not JSON")
     if not isinstance(value, list):
         raise ConversationError(f"'tools' must be a list of function specs, got "
                                 f"{json_type(value)}")
@@ -139,10 +136,8 @@ def _sharegpt_turn(turn: dict[str, Any], number: int) -> Message:
 def _sharegpt_calls(value: Any, number: int) -> list[dict[str, Any]]:
     """LLaMA-Factory's ``function_call`` value: a JSON string of {"name", "arguments"} or a
     list of them (parallel calls)."""
-    try:
-        calls = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as exc:
-        raise ConversationError(f"turn {number}: function_call is not JSON: {exc.msg}") from None
+    calls = _loads(value, f"turn {number}: function_call is not JSON") \
+        if isinstance(value, str) else value
     calls = calls if isinstance(calls, list) else [calls]
     return _calls([{"type": "function", "function": c} if isinstance(c, dict) else c
                    for c in calls], number)
@@ -150,11 +145,7 @@ def _sharegpt_calls(value: Any, number: int) -> list[dict[str, Any]]:
 
 def _calls(value: Any, number: int) -> list[dict[str, Any]]:
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ConversationError(f"turn {number}: tool_calls is a string but not JSON: "
-                                    f"{exc.msg}") from None
+        value = _loads(value, f"turn {number}: tool_calls is a string but not JSON")
     if not isinstance(value, list):
         raise ConversationError(f"turn {number}: tool_calls must be a list, got "
                                 f"{json_type(value)}")
@@ -169,11 +160,8 @@ def _call(call: Any, number: int, index: int) -> dict[str, Any]:
         raise ConversationError(f"{where}: expected {{'function': {{'name', 'arguments'}}}}")
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ConversationError(f"{where} ({function['name']}): arguments are not JSON: "
-                                    f"{exc.msg} (col {exc.colno})") from None
+        arguments = _loads(arguments, f"{where} ({function['name']}): arguments are not JSON") \
+            if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise ConversationError(f"{where} ({function['name']}): arguments must be a JSON "
                                 f"object, got {json_type(arguments)}")
@@ -183,6 +171,13 @@ def _call(call: Any, number: int, index: int) -> dict[str, Any]:
         raise ConversationError(f"{where}: 'id' must be a string, got {json_type(out['id'])}")
     out["function"] = {**function, "arguments": arguments}
     return out
+
+
+def _loads(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConversationError(f"{what}: {exc.msg} (col {exc.colno})") from None
 
 
 def _reasoning(turn: dict[str, Any], number: int) -> str | None:
