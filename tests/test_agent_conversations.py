@@ -22,6 +22,7 @@ from datagen.generation.merge import merge_dataset
 from datagen.generation.records import iter_records, records_dir
 from datagen.tokenization.chat import ChatEncoder, content_format
 from datagen.training.text_rows import TextRows
+from datagen.training.training_set import prepare
 from producers.producer import Producer
 from producers.reader import BadRecord, Prompt, read_dataset
 
@@ -288,6 +289,18 @@ def test_each_turn_runs_as_its_own_sample_through_a_kill_and_a_restart(kimi_stac
         assert rec["prompt_ids"] == stack.encoder.encode(rec["messages"], rec["tools"])
         assert rec["tools"] == TOOLS and rec["messages"][-1]["role"] == (
             "user" if n == 1 else "tool")
+
+    # And: prepare's pre-tokenized rows train exactly the generated turn (reasoning, text
+    # and calls), never the recorded history; the text rows carry the tools
+    tset = prepare(settings, {"C1": ledger.committed("C1")}, lambda: TextRows(stack.encoder))
+    rows = [json.loads(x) for x in Path(tset.online_rows).read_text().splitlines()]
+    assert len(rows) == 20
+    for row in rows:
+        rec = next(r for r in records if r["id"] == row["id"])
+        assert row["input_ids"] == rec["prompt_ids"] + rec["output_ids"]
+        assert row["loss_mask"] == [0] * len(rec["prompt_ids"]) + [1] * len(rec["output_ids"])
+    texts = [json.loads(x) for x in Path(tset.conversations).read_text().splitlines()]
+    assert all(t["tools"] == TOOLS for t in texts) and len(texts) == 20
 
     # And: a restart enqueues nothing: every turn is done
     started = time.time()
