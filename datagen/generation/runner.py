@@ -68,8 +68,8 @@ class Context:
 
 @dataclass(frozen=True)
 class Outcome:
-    # stored | duplicate | closed | done | busy | waiting | requeue | lapsing | dead |
-    # discarded
+    # stored | duplicate | closed | done | busy | waiting | requeue | lapsing | lapsed |
+    # dead | discarded
     status: str
     tokens: int = 0
     closed_now: bool = False
@@ -142,12 +142,18 @@ def commit(ctx: Context, job: Job, prompt: Prompt, lease: Lease, gen: Generation
     def attempt() -> Commit:
         result = lease.commit(gen.prompt_tokens or len(prompt.prompt_ids),
                               gen.completion_tokens, gen.truncated, gen.latency_s,
-                              ctx.client.base_url)
+                              ctx.client.base_url, held=ctx.settings.capture_states)
         if result.lost:
             raise LedgerUnavailable("the ledger lost its state (no run marker); the commit "
                                     "waits for it to be rebuilt from the records")
         return result
     result = _until_ledger(attempt, f"commit of {job.dataset}/{job.sample}")
+    if result.lapsed:
+        # its lease lapsed or was reaped (the sample runs again elsewhere) and prepare may
+        # have pruned its states since: the record stays on disk, never counted
+        log.warning("sample %s of %s: stored after its lease ended; not counted (it runs "
+                    "again)", job.sample, job.dataset)
+        return Outcome("lapsed", detail="lease ended before the commit")
     status = "stored" if result.committed else "duplicate"
     return Outcome(status, gen.completion_tokens, result.closed_now)
 

@@ -28,7 +28,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,16 +191,17 @@ def _writing(path: Path) -> bool:
         os.close(fd)
 
 
-def prune(output_dir: str | Path, dataset: str, kept: Callable[[], set[str]]
+def prune(output_dir: str | Path, dataset: str, kept: Callable[[], Container[str]]
           ) -> tuple[int, int]:
     """Delete the files of the dataset's lost attempts; returns (files, bytes) deleted.
 
     A lost attempt is one no counted record names and that is not in flight: reaped or timed
     out but finished on its server anyway, the losing copy of a duplicate, cut by a server
-    killed mid-write. ``kept`` gives the rids to keep (the ledger's committed and in-flight
-    rids) and is called after the folder is listed: a commit needs its attempt's in-flight
-    entry, so an attempt listed here is either kept then or never counted. Files whose lock
-    the connector holds are left alone (a write still going on)."""
+    killed mid-write. ``kept`` gives the rids to keep (``Ledger.kept``: the in-flight rids,
+    then the committed ones) and is called after the folder is listed: a capture's commit
+    needs its attempt's in-flight entry (commit.lua), so an attempt listed here is either
+    kept then or never counted. Files whose lock the connector holds are left alone (a write
+    still going on)."""
     folder = Path(output_dir).resolve() / STATES_DIR / dataset
     if not folder.is_dir():
         return 0, 0

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from datagen.errors import CaptureFailed, ServerUnavailable
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import Rejected, prepare
 from datagen.generation.job import Prompt
+from datagen.generation.ledger import Ledger, connect
 from datagen.generation.records import iter_records, records_dir
 from datagen.generation.runner import await_states
 from datagen.servers import capture
@@ -265,6 +267,75 @@ def test_prune_deletes_only_the_files_of_lost_attempts(tmp_path: Path) -> None:
     assert [capture.attempt_rid(n) for n in ("a.safetensors", "a.safetensors.lock",
                                              ".a.safetensors.tmp-1-2", "notes.txt")] == [
         "a", "a", "a", None]
+
+
+class ReadsThenCommits:
+    """``ledger.r``'s hash reads, with ``commit`` run once right after the ``after``-th of
+    them has ended (an HSCAN's when its last reply is in): an attempt that commits while
+    prepare's prune reads which attempts to keep."""
+
+    def __init__(self, ledger: Ledger, after: int, commit: Any):
+        self.reads, self.after, self.commit = 0, after, commit
+        real_hgetall, real_hscan = ledger.r.hgetall, ledger.r.hscan_iter
+        ledger.r.hgetall = lambda *a, **k: self._ended(real_hgetall(*a, **k))  # type: ignore
+        ledger.r.hscan_iter = lambda *a, **k: self._scan(real_hscan(*a, **k))  # type: ignore
+
+    def _ended(self, value: Any) -> Any:
+        self.reads += 1
+        if self.reads == self.after:
+            self.commit()
+        return value
+
+    def _scan(self, items: Any) -> Any:
+        yield from items
+        self._ended(None)
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_prune_keeps_the_file_of_an_attempt_that_commits_while_it_reads_the_ledger(
+        tmp_path: Path, redis_url: str, after: int) -> None:
+    # Given: an attempt in flight whose file is written, and a lost one's file
+    from cli.extraction import prune_lost_states
+
+    settings = Settings(redis_url=redis_url, output_dir=str(tmp_path), capture_states=True,
+                        server_kind="vllm", token_budget=1000)
+    ledger = Ledger(connect(redis_url), settings)
+    ledger.register(["B1"])
+    ledger.mark_run()
+    assert ledger.admit("B1", "s1", "r1", "w", 3, 100).status == "ok"
+    for rid in ("r1", "lost"):
+        write_states(capture.states_path(tmp_path, "B1", rid), [1, 2, 3])
+    committed = []
+
+    # When: the attempt commits right after the prune's first (or second) read of the ledger
+    ReadsThenCommits(ledger, after, lambda: committed.append(
+        ledger.commit("B1", "s1", "r1", 3, 10, False, 1.0)))
+    prune_lost_states(ledger, ["B1"])
+
+    # Then: it was counted, and its file is still there; the lost one's is gone
+    assert committed and committed[0].committed
+    assert capture.states_path(tmp_path, "B1", "r1").is_file()
+    assert not capture.states_path(tmp_path, "B1", "lost").exists()
+
+
+def test_a_captured_attempt_whose_lease_ended_is_never_counted(redis_url: str) -> None:
+    # Given: two attempts whose in-flight entries went before their commits (reaped, or
+    # released): prepare may have pruned their files since
+    ledger = Ledger(connect(redis_url), Settings(redis_url=redis_url, token_budget=1000))
+    ledger.register(["B1"])
+    ledger.mark_run()
+    for sample, rid in (("s1", "r1"), ("s2", "r2")):
+        assert ledger.admit("B1", sample, rid, "w", 3, 100).status == "ok"
+        ledger.release("B1", sample, rid)
+
+    # When: each commits, one with its states captured, one without
+    captured = ledger.commit("B1", "s1", "r1", 3, 10, False, 1.0, held=True)
+    plain = ledger.commit("B1", "s2", "r2", 3, 10, False, 1.0)
+
+    # Then: the captured one is refused and not counted; the other counts, as before
+    assert captured.lapsed and not captured.committed
+    assert plain.committed and not plain.lapsed
+    assert ledger.committed("B1") == {"s2": "r2 10"}
 
 
 # The connector's write (CaptureConnector._write_sample runs inside vLLM; vLLM is not in this
