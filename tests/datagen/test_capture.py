@@ -19,6 +19,7 @@ from config.settings import Settings, SettingsError
 from datagen.errors import CaptureFailed, ServerUnavailable
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import Rejected, prepare
+from datagen.extraction.manifest import shard_name
 from datagen.generation.job import Prompt
 from datagen.generation.ledger import Ledger, connect
 from datagen.generation.records import iter_records, records_dir
@@ -179,6 +180,73 @@ def test_the_captured_backend_writes_specforge_files_from_the_captured_states(
         for key in ("aux_hidden_state", "hidden_state"):
             assert got[key].dtype == torch.bfloat16 and got[key].shape[:2] == (1, kept)
             assert torch.equal(got[key][0], states[idx][key][:kept].to(torch.bfloat16))
+
+
+EOS = 99
+
+
+def captured_shard(tmp_path: Path, lengths: list[tuple[int, int]]) -> tuple[Path, Path]:
+    """(model folder, shard) of samples whose output ends in EOS, each with its file."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(
+        {"hidden_size": H, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}))
+    recs = []
+    for idx, (n_prompt, n_out) in enumerate(lengths):
+        prompt, out = list(range(10, 10 + n_prompt)), [*range(50, 49 + n_out), EOS]
+        path = tmp_path / "run" / "states" / f"r{idx}.safetensors"
+        write_states(path, prompt + out[:-1], seed=idx)
+        recs.append({"idx": idx, "id": f"s{idx}", "dataset": "B1", "prompt_ids": prompt,
+                     "output_ids": out, "states": str(path)})
+    return model, write_jsonl(tmp_path / "shard.jsonl", recs)
+
+
+def test_the_stop_token_is_counted_for_the_draft_vocab_as_in_an_hf_row(tmp_path: Path
+                                                                       ) -> None:
+    # Given: 5 captured samples whose outputs end in EOS (never an input: not in the file),
+    # the last one longer than train_max_length
+    from datagen.training import vocab_mapping as vm
+
+    model, shard = captured_shard(tmp_path, [(3, 4)] * 4 + [(4, 20)])
+    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                           dtype="float32", device="cpu", max_length=16, backend="captured")
+
+    # When: the shard is extracted
+    with Extractor(cfg) as ex:
+        assert ex.run_shard(shard).written == 5
+    counts, _ = vm.read_shard_counts(tmp_path / "hs" / vm.COUNTS_DIR /
+                                     f"{shard_name(shard)}.json")
+
+    # Then: EOS counts once per sample whose hf row keeps it (the cut one's does not), and
+    # every other id as the hf rows count it
+    assert counts[EOS][0] == 4
+    assert counts[50][0] == 5 and counts[52][0] == 5 and 10 not in counts
+
+
+def test_specforge_trains_the_stop_tokens_prediction_in_a_captured_row_too() -> None:
+    # Given: one sample's hf row (prompt 3, output 4 ending in EOS) and its captured row (one
+    # position fewer), with final states numbered by position
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.utils import padding
+
+    ids = [10, 11, 12, 50, 51, 52, EOS]
+    def row(n: int) -> dict:
+        return {"input_ids": torch.tensor(ids[:n]), "loss_mask": torch.tensor(
+            [0, 0, 0] + [1] * (n - 3)), "aux_hidden_state": torch.zeros(1, n, 3 * H),
+            "hidden_state": torch.arange(n, dtype=torch.float32)[None, :, None].expand(
+                1, n, H)}
+
+    # When: SpecForge's offline normalizer and its target head's shift run on each
+    def trained(n: int) -> list[int]:
+        t = normalize_offline_sample(row(n), 2048)
+        target = padding(t["target"], left=False)  # TargetHead.preprocess
+        return [int(target[0, i, 0]) for i in range(n) if t["loss_mask"][0, i]]
+
+    # Then: the trained targets are the final states at positions 4..6 (hf) and 4..5
+    # (captured): the state at position 5 (its lm_head predicts EOS, position 6) in both;
+    # only the hf row's state at EOS itself (what follows a stop) is not in the captured row
+    assert trained(7) == [4, 5, 6]
+    assert trained(6) == [4, 5]
 
 
 def test_the_captured_backend_refuses_states_of_other_aux_layers(tmp_path: Path) -> None:
