@@ -83,6 +83,7 @@ class ExtractionConfig:
     force: bool = False          # write even when the disk check says it will not fit
     backend: str = "hf"          # backends.NAMES
     engine: EngineOptions = field(default_factory=EngineOptions)  # the `vllm` backend's
+    run_dir: str = ""            # the run's output_dir: what a shard line's `states` is under
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}

@@ -249,6 +249,42 @@ def test_specforge_trains_the_stop_tokens_prediction_in_a_captured_row_too() -> 
     assert trained(6) == [4, 5]
 
 
+def test_shards_name_states_under_the_run_folder_wherever_a_worker_mounts_it(
+        tmp_path: Path) -> None:
+    # Given: a run whose records name their captured states (relative to output_dir)
+    from datagen.training.training_set import prepare as prepare_set
+    from datagen.training.training_set import read_manifest, training_dir
+
+    run = tmp_path / "host-a" / "run"
+    recs = []
+    for i in range(3):
+        rel = f"states/B1/r{i}.safetensors"
+        write_states(run / rel, [1, 2, 3, 40 + i, 41, 42], seed=i)
+        recs.append({"v": 1, "id": f"s{i}", "dataset": "B1", "rid": f"r{i}", "messages": [],
+                     "prompt_ids": [1, 2, 3], "output_ids": [40 + i, 41, 42, EOS],
+                     "prompt_tokens": 3, "completion_tokens": 4, "truncated": False,
+                     "time": 1.0 + i, "states": rel, "states_bytes": 1})
+    write_jsonl(run / "records" / "B1" / "h-1.jsonl", recs)
+    prepare_set(Settings(output_dir=str(run), shard_samples=4), {}, None)
+    shard = run / read_manifest(training_dir(run))["shards"][0]["path"]
+
+    # When: a gpu worker that mounts the shared folder elsewhere extracts the shard
+    moved = tmp_path / "host-b" / "mnt"
+    moved.parent.mkdir()
+    run.rename(moved)
+    model, _ = captured_shard(tmp_path, [])
+    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                           dtype="float32", device="cpu", backend="captured",
+                           run_dir=str(moved))
+    lines = [json.loads(x) for x in (moved / shard.relative_to(run)).read_text().splitlines()]
+    with Extractor(cfg) as ex:
+        result = ex.run_shard(moved / shard.relative_to(run))
+
+    # Then: the shard names each file relative to the run folder, and the worker finds them
+    assert sorted(x["states"] for x in lines) == [f"states/B1/r{i}.safetensors" for i in range(3)]
+    assert result.written == 3 and not result.failures
+
+
 def test_the_captured_backend_refuses_states_of_other_aux_layers(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
