@@ -2,9 +2,9 @@
 (``capture_states``), with no forward pass.
 
 Each shard line names the file its committed record names, relative to the run's
-``output_dir`` (``run_dir`` here: this host's mount of it) (datagen/servers/capture.py: ``input_ids``
-[L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last output id never
-an input and so not in it); files.prepare cut the sample to those ids and to
+``output_dir`` (``run_dir`` here: this host's mount of it) (datagen/servers/capture.py:
+``input_ids`` [L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last
+output id never an input and so not in it); files.prepare cut the sample to those ids and to
 ``train_max_length``. This backend reads the kept positions only (safetensors slices), checks
 the ids, casts to ``extract_dtype`` and writes ``data_{idx}.ckpt`` through the Extractor's
 atomic write, loss mask from the record's prompt/output split; the Extractor keeps everything
