@@ -40,6 +40,7 @@ CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
 LOCK_POLL_S = 0.01
 KEYS = ("input_ids", "aux_hidden_state", "hidden_state")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
 
 
 class CaptureMismatch(ValueError):
@@ -66,6 +67,18 @@ def vllm_capture(aux_ids: Sequence[int], num_layers: int) -> tuple[list[int], li
     return ids, [ids.index(i) for i in wanted]
 
 
+def text_only(model_path: str, given: Sequence[str] = ()) -> list[str]:
+    """``--limit-mm-per-prompt`` with 0 of every media kind for a multimodal checkpoint
+    (Kimi-K2.5), unless ``given`` (the operator's own arguments) sets it: vLLM then builds no
+    vision tower (a tiny checkpoint's is not even initialised) and no multimodal processor,
+    which cannot exist beside ``--skip-tokenizer-init``. [] for a text model."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    if "vision_config" not in config or any(
+            a.split("=", 1)[0] == "--limit-mm-per-prompt" for a in given):
+        return []
+    return ["--limit-mm-per-prompt", json.dumps({m: 0 for m in MEDIA})]
+
+
 def server_args(model_path: str, output_dir: str | Path, dtype: str,
                 aux_layer_ids: Sequence[int] | None = None) -> list[str]:
     """The `vllm serve` arguments that turn capture on: vLLM's ``extract_hidden_states``
@@ -86,7 +99,7 @@ def server_args(model_path: str, output_dir: str | Path, dtype: str,
                                         "allow_custom_save_path": True, "dtype": dtype,
                                         "slots": slots}}
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-            "--no-enable-prefix-caching"]
+            "--no-enable-prefix-caching", *text_only(model_path)]
 
 
 def wait_released(path: Path, timeout_s: float) -> bool:

@@ -112,6 +112,28 @@ def test_server_args_capture_the_aux_layers_and_the_last_one_under_states(tmp_pa
     assert extra["slots"] == [0, 1, 2, 3] and extra["dtype"] == "float32"
 
 
+def test_a_kimi_k25_capture_server_is_launched_text_only(tmp_path: Path) -> None:
+    # Given: a folder laid out as Kimi-K2.5's (a vision tower beside the text model)
+    from cli.vllm import launch_argv
+    from datagen.builders.tiny_kimi import build_tiny_kimi_k25
+
+    folder = build_tiny_kimi_k25(tmp_path / "kimi", 512, hidden_size=128, num_layers=8)
+
+    # When: the capture server's command line is made
+    argv = launch_argv(folder, 8000, 256, "bfloat16",
+                       capture.server_args(str(folder), tmp_path / "run", "bfloat16"))
+
+    # Then: no media of any kind (vLLM builds no vision tower and no multimodal processor,
+    # which --skip-tokenizer-init rules out); the operator's own setting is left alone; a
+    # text model gets nothing
+    limit = argv[argv.index("--limit-mm-per-prompt") + 1]
+    assert json.loads(limit) == {"image": 0, "video": 0, "vision_chunk": 0}
+    assert "--skip-tokenizer-init" in argv
+    assert capture.text_only(str(folder), ["--limit-mm-per-prompt={\"image\": 1}"]) == []
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": LAYERS}))
+    assert "--limit-mm-per-prompt" not in capture.server_args(str(tmp_path), tmp_path, "bf16")
+
+
 def gen(output_ids: list[int]) -> Generation:
     return Generation(output_ids, {"type": "length"}, 3, len(output_ids), 0.1, "")
 

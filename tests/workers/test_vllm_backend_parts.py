@@ -11,8 +11,8 @@ import torch
 from config.settings import SettingsError, load_settings
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
 from datagen.extraction.backends.base import text_config
-from datagen.extraction.backends.vllm import engine_python, loss_spans, multimodal
-from datagen.servers.capture import vllm_capture
+from datagen.extraction.backends.vllm import engine_python, loss_spans
+from datagen.servers.capture import text_only, vllm_capture
 from datagen.servers.launch import CPU_KV_CACHE_GIB, engine_env
 from datagen.training.handoff import loss_mask
 
@@ -73,7 +73,7 @@ def test_a_kimi_k25_folder_gives_the_backend_its_text_shape_and_the_norm(tmp_pat
     """What the backend and its connector read from a folder laid out as Kimi-K2.5's."""
     folder = build_tiny_kimi_k25(tmp_path / "kimi", 512, hidden_size=128, num_layers=8)
     config = json.loads((folder / "config.json").read_text())
-    assert config["model_type"] == "kimi_k25" and multimodal(str(folder))
+    assert config["model_type"] == "kimi_k25" and text_only(str(folder))
     text = text_config(str(folder))
     assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (128, 8, 512)
     assert text["kv_lora_rank"] + text["qk_rope_head_dim"] == 576  # vLLM's CPU MLA latent
