@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from datagen.extraction.files import save_atomic
+from datagen.servers.capture import engine_refusal
 
 log = logging.getLogger("datagen.vllm_connector")
 
@@ -197,6 +198,17 @@ class DatagenConnector(ExampleHiddenStatesConnector):
             os.close(lock_fd)
 
 
+def _refusal(vllm_config: Any) -> str | None:
+    model = vllm_config.model_config
+    return engine_refusal(
+        bool(vllm_config.scheduler_config.async_scheduling),
+        bool(getattr(vllm_config, "use_v2_model_runner", False)),
+        bool(vllm_config.cache_config.enable_prefix_caching),
+        str(model.dtype).removeprefix("torch."),
+        [str(getattr(model.hf_config, "model_type", "")),
+         str(getattr(model.hf_text_config, "model_type", ""))])
+
+
 class CaptureConnector(DatagenConnector):
     """The generation server's: the states of each request that names a file, prompt and
     generated positions (``include_output_tokens``), written while the server generates.
@@ -209,6 +221,9 @@ class CaptureConnector(DatagenConnector):
     step derives from the record."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        refusal = _refusal(vllm_config)
+        if refusal:
+            raise ValueError(f"capture refused: {refusal}")
         super().__init__(vllm_config, role, kv_cache_config)
         spec = vllm_config.speculative_config.draft_model_config.hf_config
         capture = list(spec.eagle_aux_hidden_state_layer_ids)

@@ -6,6 +6,7 @@ a function here so tests and benchmarks can drive them without Celery.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -114,12 +115,19 @@ def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
         raise CaptureFailed(f"{path.name} still locked by the server after "
                             f"{settings.capture_timeout_s:.0f} s (capture_timeout_s)")
     try:
-        size = capture.check_file(path, prompt.prompt_ids + gen.output_ids[:-1])
+        size = capture.check_file(path, prompt.prompt_ids + gen.output_ids[:-1],
+                                  _aux_layer_ids(tuple(settings.aux_layer_ids or ()),
+                                                 settings.model_path))
     except (capture.CaptureMismatch, OSError) as exc:
         raise CaptureFailed(f"captured states: {exc}") from exc
     Path(f"{path}.lock").unlink(missing_ok=True)
     return {"states": str(path.relative_to(Path(settings.output_dir).resolve())),
             "states_bytes": size}
+
+
+@functools.lru_cache(maxsize=4)
+def _aux_layer_ids(aux: tuple[int, ...], model_path: str) -> list[int] | None:
+    return capture.run_aux_layer_ids(aux, model_path)
 
 
 def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,

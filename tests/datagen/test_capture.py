@@ -69,6 +69,51 @@ def test_a_file_that_is_not_the_samples_states_is_refused(tmp_path: Path, damage
         capture.check_file(path, ids)
 
 
+@pytest.mark.parametrize("garbage", [b"\x01\x00", b"\x05" + b"\x00" * 7 + b"{not!",
+                                     b"\x02" + b"\x00" * 7 + b"[]"])
+def test_a_file_that_is_not_safetensors_is_a_mismatch_not_a_crash(tmp_path: Path,
+                                                                  garbage: bytes) -> None:
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(garbage)
+    with pytest.raises(capture.CaptureMismatch):
+        capture.check_file(path, [1, 2])
+
+
+def test_a_file_captured_at_other_aux_layers_is_refused_before_the_sample_counts(
+        tmp_path: Path) -> None:
+    # Given: a file the server captured at AUX, and a run whose settings name other layers
+    settings = Settings(output_dir=str(tmp_path), capture_states=True, server_kind="vllm",
+                        capture_timeout_s=0.05, aux_layer_ids=[1, 2, 3])
+    path = capture.states_path(tmp_path, "B1", "r1")
+    write_states(path, [1, 2, 3, 40, 41])
+
+    # When / Then: the worker's check refuses it (retryable: never counted)
+    assert capture.check_file(path, [1, 2, 3, 40, 41], AUX) == path.stat().st_size
+    with pytest.raises(CaptureFailed, match=r"aux layers \[1, 3, 4\], the run's are \[1, 2, 3\]"):
+        await_states(settings, path, Prompt("s", "B1", [], [1, 2, 3]), gen([40, 41, 42]))
+
+
+@pytest.mark.parametrize("setting,why", [
+    ({"async_scheduling": True}, "async scheduling with the V1 model runner"),
+    ({"prefix_caching": True}, "prefix caching is on"),
+    ({"dtype": "float16", "model_types": ["kimi_k25", "deepseek_v3"]}, "float16 on a DeepSeek"),
+])
+def test_a_capture_server_refuses_settings_under_which_its_states_are_wrong(
+        setting: dict, why: str) -> None:
+    fine = {"async_scheduling": False, "v2_runner": False, "prefix_caching": False,
+            "dtype": "bfloat16", "model_types": ["kimi_k25", "deepseek_v3"]}
+    assert capture.engine_refusal(**fine) is None
+    assert why in (capture.engine_refusal(**{**fine, **setting}) or "")
+    # the V2 runner takes async scheduling; float16 is fine for other models
+    assert capture.engine_refusal(**{**fine, "async_scheduling": True, "v2_runner": True}) is None
+    assert capture.engine_refusal(**{**fine, "dtype": "float16", "model_types": ["llama"]}) is None
+
+
+def test_capture_refuses_several_samples_per_request() -> None:
+    with pytest.raises(SettingsError, match="sampling_params.n = 2 with capture_states"):
+        Settings(capture_states=True, server_kind="vllm", sampling_params={"n": 2})
+
+
 def test_the_wait_ends_when_the_servers_lock_is_released(tmp_path: Path) -> None:
     path = tmp_path / "a.safetensors"
     held = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
