@@ -85,3 +85,27 @@ def test_a_kimi_k25_folder_gives_the_backend_its_text_shape_and_the_norm(tmp_pat
     # the final norm the connector applies, under Kimi-K2.5's prefix
     assert "language_model.model.norm.weight" in names
     assert not any(n.startswith("model.") for n in names)
+
+
+def test_a_write_that_never_ends_is_an_engine_lost_after_the_read_timeout(tmp_path) -> None:
+    # Given: a running engine whose connector holds a file's lock and never releases it
+    import fcntl
+    import os
+    from types import SimpleNamespace
+
+    from datagen.errors import EngineLost
+    from datagen.extraction.backends.vllm import VLLMBackend
+
+    backend = VLLMBackend.__new__(VLLMBackend)
+    backend.read_timeout_s = 0.2
+    backend.server = SimpleNamespace(alive=lambda: True, proc=None, log_path="vllm.log")
+    path = tmp_path / "data_0.ckpt"
+    held = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    # When / Then: the wait gives up with the engine's fault, not never
+    try:
+        with pytest.raises(EngineLost, match="still being written after 0 s"):
+            backend._wait_written(path)
+    finally:
+        os.close(held)

@@ -224,11 +224,14 @@ class VLLMBackend:
         return path.stat().st_size
 
     def _wait_written(self, path: Path) -> None:
+        """Until the connector released the file's lock, or its engine stopped; EngineLost
+        when it holds the lock past ``read_timeout_s`` (a writer that never ends)."""
         lock = Path(f"{path}.lock")
         try:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
             return  # nothing was ever locked: the caller finds no file
+        deadline = time.monotonic() + self.read_timeout_s
         try:
             while True:
                 try:
@@ -237,6 +240,9 @@ class VLLMBackend:
                 except BlockingIOError:
                     if not self.server.alive():
                         break
+                    if time.monotonic() > deadline:
+                        raise self._lost(f"{path.name} still being written after "
+                                         f"{self.read_timeout_s:.0f} s") from None
                     time.sleep(LOCK_POLL_S)
         finally:
             os.close(fd)
