@@ -59,11 +59,9 @@ def cmd_prepare(settings: Settings, args: argparse.Namespace) -> int:
 def prune_lost_states(ledger: Ledger, datasets: Sequence[str]) -> None:
     """Delete the state files no counted record names and no request in flight will
     (capture_states: attempts that finished on their server after they were lost)."""
-    def kept(dataset: str) -> Callable[[], set[str]]:
-        return lambda: ({v.split(" ", 1)[0] for v in ledger.committed(dataset).values()}
-                        | {str(e.get("rid")) for e in ledger.in_flight(dataset).values()})
     for dataset in datasets:
-        files, size = capture.prune(ledger.settings.output_dir, dataset, kept(dataset))
+        files, size = capture.prune(ledger.settings.output_dir, dataset,
+                                    lambda d=dataset: ledger.kept(d))
         if files:
             print(f"{dataset}: deleted {files} captured state files of lost attempts "
                   f"({size / 1e6:,.1f} MB)")

@@ -194,6 +194,11 @@ class Settings:
                                 "'each'")
         if self.capture_timeout_s <= 0:
             raise SettingsError(f"capture_timeout_s: {self.capture_timeout_s!r} must be > 0")
+        n = self.sampling_params.get("n", 1)
+        if n != 1:
+            raise SettingsError(f"sampling_params.n = {n!r} with capture_states: every child "
+                                "request would name the same states file (and the "
+                                "connector's lock then blocks forever); use n = 1")
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),

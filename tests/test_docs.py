@@ -302,7 +302,8 @@ def test_the_documented_capture_arguments_are_server_args(tmp_path: Path) -> Non
     line = block[block.index("CAPTURE=$("):block.index("bfloat16)") + len("bfloat16)")]
     model = tmp_path / "Kimi-K2.5"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61}}))
+    (model / "config.json").write_text(json.dumps({"text_config": {"num_hidden_layers": 61},
+                                                   "vision_config": {}}))
     line = line.replace("/models/Kimi-K2.5", str(model))
     # When: its CAPTURE= line runs at the repository root, as written
     result = subprocess.run(["bash", "-euc", f'{line}\nprintf "%s" "$CAPTURE"'], cwd=REPO,
@@ -311,4 +312,5 @@ def test_the_documented_capture_arguments_are_server_args(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert shlex.split(result.stdout) == server_args(str(model), "/mnt/shared/run1",
                                                      "bfloat16")
+    assert "--limit-mm-per-prompt" in shlex.split(result.stdout)  # Kimi-K2.5: text only
     assert "--tensor-parallel-size 8" in block and "--enable-scale-out" in block

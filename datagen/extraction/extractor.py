@@ -43,6 +43,7 @@ from datagen.extraction.estimate import DTYPE_BYTES, check_disk
 from datagen.extraction.files import (
     Rejected,
     Sample,
+    counted_ids,
     prepare,
     read_shard,
     relative_path,
@@ -82,6 +83,7 @@ class ExtractionConfig:
     force: bool = False          # write even when the disk check says it will not fit
     backend: str = "hf"          # backends.NAMES
     engine: EngineOptions = field(default_factory=EngineOptions)  # the `vllm` backend's
+    run_dir: str = ""            # the run's output_dir: what a shard line's `states` is under
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
@@ -277,8 +279,7 @@ class Extractor:
     def _write_counts(self, out_dir: Path, shard_path: str | Path, run: _ShardRun) -> None:
         """Token counts of every file this shard has, for vocab_mapping.pt: gathered from the
         ids in memory, so the mapping never needs another pass over the files."""
-        counts = vm.count_samples((path, s.input_ids, sample_loss_mask(s))
-                                  for path, s in run.kept)
+        counts = vm.count_samples((path, *counted_ids(s)) for path, s in run.kept)
         vm.write_shard_counts(out_dir, shard_name(shard_path), counts, {
             "shard": str(shard_path), "samples": len(run.kept),
             "aux_layer_ids": list(self.aux_layer_ids), "hidden_size": self.hidden_size,

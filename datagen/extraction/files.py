@@ -44,6 +44,9 @@ class Sample:
     # Several generated turns (regenerate = "all"): [start, end) of each, loss_mask 1 there.
     loss_spans: tuple[tuple[int, int], ...] = ()
     states: str = ""  # the file captured in the generation pass (extract_backend "captured")
+    # captured: the last output id when the same sample's `hf` row keeps it (its stop token,
+    # never an input of the generation pass, so not in input_ids): counted for the vocab
+    uncaptured: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:
@@ -88,8 +91,12 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     SpecForge's data.max_length agrees with); ids out of the vocab are rejected
     here because on CUDA they would trip a device-side assert that poisons the whole process.
     ``captured``: the states come from the generation pass, which never ran the last output
-    id (nothing followed it), so the sample ends one id earlier; the last position's final
-    state is the target of no generated token SpecForge trains on."""
+    id (nothing followed it), so the sample ends one id earlier. SpecForge trains position t
+    (loss mask 1, the last position zeroed) towards lm_head(final state of t + 1): the
+    prediction of the stop token (final state of the id before it) is trained in both rows,
+    and only the `hf` row's last trained position, what follows the stop token, is not
+    here. The stop token is still counted for the draft vocabulary (``uncaptured``), as
+    for the `hf` row: outside it, the drafter could never propose the end of a turn."""
     if not isinstance(rec, dict):
         return Rejected(None, f"line {line}", f"not a JSON object: {rec}")
     idx, sid = rec.get("idx"), str(rec.get("id", f"line {line}"))
@@ -98,6 +105,7 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     prompt, output = rec.get("prompt_ids"), rec.get("output_ids")
     if not (_ids_ok(prompt, vocab_size) and _ids_ok(output, vocab_size)):
         return Rejected(idx, sid, f"token ids missing, not ints or outside [0, {vocab_size})")
+    full = prompt + output
     if captured:
         if not isinstance(rec.get("states"), str) or rec.get("loss_spans") is not None:
             return Rejected(idx, sid, "no captured states named (the record was generated "
@@ -113,8 +121,12 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     kept, why = kept_length(first, len(ids), max_length, overlong, spans)
     if not kept:
         return Rejected(idx, sid, why, overlong=True)
+    if not captured:
+        return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first,
+                      kept < len(ids), spans)
+    as_hf, _ = kept_length(first, len(full), max_length, overlong, spans)
     return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first, kept < len(ids),
-                  spans, rec.get("states", "") if captured else "")
+                  spans, rec["states"], tuple(full[kept:as_hf]))
 
 
 def _loss_spans(raw: Any, n_prompt: int, n_ids: int) -> tuple[tuple[int, int], ...] | None:
@@ -151,6 +163,13 @@ def sample_tensors(sample: Sample, aux: torch.Tensor, final: torch.Tensor) -> di
 def sample_loss_mask(sample: Sample) -> list[int]:
     """The file's loss_mask (also what the vocab counts and the online rows use)."""
     return loss_mask(sample.n_prompt, sample.length, sample.loss_spans)
+
+
+def counted_ids(sample: Sample) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) the draft vocabulary counts: the file's, and a captured sample's
+    stop token where its `hf` row has it (after the prompt: loss 1)."""
+    tail = list(sample.uncaptured)
+    return sample.input_ids + tail, sample_loss_mask(sample) + [1] * len(tail)
 
 
 def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:

@@ -73,7 +73,7 @@ def extraction_config(settings: Settings) -> Any:
         attn_implementation=settings.extract_attn_implementation,
         trust_remote_code=settings.trust_remote_code,
         writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend,
-        engine=engine)
+        engine=engine, run_dir=settings.output_dir)
 
 
 def file_sha256(path: Path) -> str:

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from datagen.extraction.files import save_atomic
+from datagen.servers.capture import engine_refusal
 
 log = logging.getLogger("datagen.vllm_connector")
 
@@ -103,7 +104,11 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.get_from_extra_config
         self._root = Path(self._storage_path).resolve()
-        self._dtype = DTYPES[extra("dtype", "bfloat16")]
+        dtype = extra("dtype", "bfloat16")
+        if dtype not in DTYPES:
+            raise ValueError(f"kv_connector_extra_config dtype={dtype!r}: expected one of "
+                             f"{list(DTYPES)}")
+        self._dtype = DTYPES[dtype]
         self._slots = [int(i) for i in extra("slots", [])]  # aux states in file order, then final
         self._model_path = vllm_config.model_config.model
         self._eps = float(vllm_config.model_config.hf_text_config.rms_norm_eps)
@@ -114,6 +119,13 @@ class DatagenConnector(ExampleHiddenStatesConnector):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            # never written: its states stop short of its ids (SpecForge reads every .ckpt);
+            # its lock is released by get_finished, which sees every finished request
+            self._request_filenames.pop(request.request_id, None)
+            return False, None
         delay, params = super().request_finished(request, block_ids)
         pending = self._pending_saves.get(request.request_id)
         if pending is not None:
@@ -197,18 +209,32 @@ class DatagenConnector(ExampleHiddenStatesConnector):
             os.close(lock_fd)
 
 
+def _refusal(vllm_config: Any) -> str | None:
+    model = vllm_config.model_config
+    return engine_refusal(
+        bool(vllm_config.scheduler_config.async_scheduling),
+        bool(getattr(vllm_config, "use_v2_model_runner", False)),
+        bool(vllm_config.cache_config.enable_prefix_caching),
+        str(model.dtype).removeprefix("torch."),
+        [str(getattr(model.hf_config, "model_type", "")),
+         str(getattr(model.hf_text_config, "model_type", ""))])
+
+
 class CaptureConnector(DatagenConnector):
     """The generation server's: the states of each request that names a file, prompt and
     generated positions (``include_output_tokens``), written while the server generates.
 
     Differences from the extraction connector above: a request without ``hidden_states_path``
     (or naming a file outside ``shared_storage_path``) is served and nothing is locked or
-    written for it (vLLM's example connector writes every request somewhere); an aborted
-    request's states are dropped (its lock released, no file); the file is safetensors
-    (datagen/servers/capture.py reads its ids without torch) and has no loss mask, which the build
-    step derives from the record."""
+    written for it (vLLM's example connector writes every request somewhere); the file is
+    safetensors (datagen/servers/capture.py reads its ids without torch) and has no loss mask,
+    which the build step derives from the record. Both drop an aborted request's states (its
+    lock released, no file)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        refusal = _refusal(vllm_config)
+        if refusal:
+            raise ValueError(f"capture refused: {refusal}")
         super().__init__(vllm_config, role, kv_cache_config)
         spec = vllm_config.speculative_config.draft_model_config.hf_config
         capture = list(spec.eagle_aux_hidden_state_layer_ids)
@@ -236,16 +262,6 @@ class CaptureConnector(DatagenConnector):
                 extra = (new.sampling_params.extra_args or {}) if new.sampling_params else {}
                 return bool((extra.get("kv_transfer_params") or {}).get("hidden_states_path"))
         return False
-
-    def request_finished(self, request: Any, block_ids: list[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
-        if request.status == RequestStatus.FINISHED_ABORTED:
-            # its lock is released by get_finished, which sees every finished request
-            self._request_filenames.pop(request.request_id, None)
-            return False, None
-        return super().request_finished(request, block_ids)
 
     def _write_sample(self, rows: torch.Tensor, event: Any, token_ids: torch.Tensor,
                       spans: list[list[int]], filename: str, lock_fd: int) -> None:

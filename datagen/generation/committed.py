@@ -48,6 +48,7 @@ class Committed:
         first = np.ones(len(keys), dtype=bool)
         first[1:] = keys[1:] != keys[:-1]
         self._keys, self._rids = keys[first], rid[first]
+        self._by_rid: np.ndarray | None = None
 
     @classmethod
     def of(cls, committed: Mapping[str, str] | Committed | None) -> Committed | None:
@@ -70,6 +71,13 @@ class Committed:
         at = self._find(sid_digest(sid))
         return isinstance(rid, str) and at >= 0 and rid_digest(rid) == int(self._rids[at])
 
+    def holds_rid(self, rid: str) -> bool:
+        """Whether some sample was counted with ``rid`` (the rid hashes sorted on first use)."""
+        if self._by_rid is None:
+            self._by_rid = np.sort(self._rids)
+        at = int(np.searchsorted(self._by_rid, np.uint64(rid_digest(rid))))
+        return at < len(self._by_rid) and int(self._by_rid[at]) == rid_digest(rid)
+
     def contains_all(self, sids: Iterable[str]) -> np.ndarray:
         """``sid in self`` for each of ``sids``, as a bool array (1 byte a sid: the hashes
         are looked up LOOKUP_BATCH at a time)."""
@@ -83,3 +91,15 @@ class Committed:
             at = np.minimum(np.searchsorted(self._keys, q), len(self._keys) - 1)
             found.append(self._keys[at] == q)
         return np.concatenate(found)
+
+
+class KeptAttempts:
+    """The rids whose captured states must stay: in flight, or counted (``Ledger.kept``)."""
+
+    def __init__(self, in_flight: Iterable[str], committed: Committed | None):
+        self._flying, self._done = set(in_flight), committed
+
+    def __contains__(self, rid: object) -> bool:
+        if not isinstance(rid, str):
+            return False
+        return rid in self._flying or (self._done is not None and self._done.holds_rid(rid))

@@ -107,6 +107,7 @@ class RecordIndex:
     size: array = field(default_factory=lambda: array("I"))  # bytes of the line (< 4 GiB)
     key: array = field(default_factory=lambda: array("q"))  # hash(sample id), this process's
     problems: list[Problem] = field(default_factory=list)
+    states_gone: int = 0  # records left out: their captured states file is gone (pruned)
     # --
     time: array = field(default_factory=lambda: array("d"))  # NaN: not a number
     verbatim: bytearray = field(default_factory=bytearray)  # 1: copied as is (``entry``)
@@ -121,15 +122,23 @@ class RecordIndex:
         return self.files[self.file[row]], self.offset[row], self.size[row]
 
 
-def build_index(dataset_dir: Path, merging: bool = False) -> RecordIndex:
+def build_index(dataset_dir: Path, merging: bool = False,
+                output_dir: Path | None = None) -> RecordIndex:
     """Index every record under a dataset's records folder (the merge's columns too when
-    ``merging``: they cost ~40 more bytes a record and an encode of each line)."""
+    ``merging``: they cost ~40 more bytes a record and an encode of each line).
+
+    With ``output_dir``, a record naming captured states (``states``, relative to it) whose
+    file is gone is left out: prepare prunes the files of attempts the ledger never counted,
+    and such a record must not be chosen again (a merge without the ledger, a rebuild)."""
     ix = RecordIndex(merging)
     for number, path in enumerate(record_files(dataset_dir)):
         ix.files.append(str(path))
         for offset, raw, item in iter_lines(path):
             if isinstance(item, Problem):
                 ix.problems.append(item)
+                continue
+            if output_dir is not None and _states_gone(output_dir, item):
+                ix.states_gone += 1
                 continue
             sid = str(item["id"])
             ix.key.append(hash(sid))
@@ -139,6 +148,11 @@ def build_index(dataset_dir: Path, merging: bool = False) -> RecordIndex:
             if merging:
                 _add_merge_columns(ix, sid, item, raw)
     return ix
+
+
+def _states_gone(output_dir: Path, record: dict[str, Any]) -> bool:
+    states = record.get("states")
+    return isinstance(states, str) and not (output_dir / states).is_file()
 
 
 def _add_merge_columns(ix: RecordIndex, sid: str, record: dict[str, Any], raw: bytes) -> None:

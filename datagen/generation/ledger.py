@@ -38,7 +38,7 @@ from datagen.generation.admission import (
 )
 
 if TYPE_CHECKING:
-    from datagen.generation.committed import Committed
+    from datagen.generation.committed import Committed, KeptAttempts
 
 __all__ = ["Admission", "Commit", "Ledger", "Reclaimed", "connect", "length_model", "owner_id"]
 
@@ -65,6 +65,7 @@ class Commit:
     closed_now: bool
     woken: list[str] = field(default_factory=list)  # payloads of parked samples to enqueue
     lost: bool = False  # no run marker: nothing was written, hold the commit
+    lapsed: bool = False  # ``held`` and the entry was not the rid's: not counted
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,9 @@ class Ledger:
 
     def commit(self, dataset: str, sample: str, rid: str, prompt_tokens: int,
                completion_tokens: int, truncated: bool, latency_s: float,
-               server: str = "") -> Commit:
+               server: str = "", held: bool = False) -> Commit:
+        """Count a stored record. ``held``: only while ``rid`` still holds the sample's
+        in-flight entry (captured states: see commit.lua); else ``Commit.lapsed``."""
         counted = completion_tokens
         if self.settings.budget_counts == "total":
             counted += prompt_tokens
@@ -190,10 +193,12 @@ class Ledger:
         args = [dataset, sample, rid, counted, prompt_tokens, completion_tokens, int(truncated),
                 self.settings.budget_for(dataset), self.settings.max_samples or 0,
                 keys.LENGTHS_KEPT, latency_s, masked_url(server or self.settings.server_url),
-                WAKE_MAX, int(MODEL_REFRESH_S * 1000), *self._wake_args()]
+                WAKE_MAX, int(MODEL_REFRESH_S * 1000), *self._wake_args(), int(held)]
         status, tokens, closed_now, refresh, *woken = self._run("commit", ks, args)
         if status == "lost":
             return Commit(False, 0, False, lost=True)
+        if status == "lapsed":
+            return Commit(False, int(tokens), False, lapsed=True)
         if refresh:
             self.refresh_model(dataset)
         return Commit(status == "ok", int(tokens), bool(closed_now), list(woken))
@@ -327,6 +332,18 @@ class Ledger:
 
         found = Committed(self.r.hscan_iter(self.k(dataset, keys.DONE), count=SCAN_COUNT))
         return found if len(found) else None
+
+    def kept(self, dataset: str) -> KeptAttempts:
+        """The attempts whose captured states must stay (``capture.prune``): the rids in flight,
+        then the committed ones, each read with HSCAN. In that order the two reads are one
+        consistent view: an attempt that commits while the in-flight entries are read is in the
+        done map before it is read (a capture's commit needs its in-flight entry: commit.lua),
+        and one whose entry went otherwise (released, reaped) is never counted."""
+        from datagen.generation.committed import SCAN_COUNT, KeptAttempts  # noqa: PLC0415
+
+        flight = self.r.hscan_iter(self.k(dataset, keys.INFLIGHT), count=SCAN_COUNT)
+        flying = [str(json.loads(raw).get("rid")) for _, raw in flight]
+        return KeptAttempts(flying, self.committed_index(dataset))
 
     def done_ids(self, dataset: str) -> set[str]:
         return set(self.r.hkeys(self.k(dataset, keys.DONE)))

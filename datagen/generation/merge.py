@@ -34,6 +34,7 @@ class MergeReport:
     records: int = 0
     duplicates: int = 0
     uncommitted: int = 0
+    states_gone: int = 0  # left out: the captured states they name were pruned
     prompt_tokens: int = 0
     completion_tokens: int = 0
     path: str = ""
@@ -47,8 +48,10 @@ def merge_dataset(output_dir: str | Path, dataset: str,
     when the ledger is not known: every record counts, the earliest copy per id."""
     report = MergeReport(dataset)
     done = Committed.of(committed)
-    ix = build_index(records_dir(output_dir, dataset), merging=True)
+    ix = build_index(records_dir(output_dir, dataset), merging=True,
+                     output_dir=Path(output_dir))
     report.problems = [str(p) for p in ix.problems]
+    report.states_gone = ix.states_gone
     rows, _, report.duplicates = choose_rows(ix, done)
     ix.key = array("q")  # not needed any more: 8 bytes a record back before the sort
     if done is not None and not include_uncommitted:

@@ -16,6 +16,7 @@ import logging
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -57,7 +58,8 @@ def rebuild_dataset(ledger: Ledger, dataset: str) -> Rebuilt:
     """Replace the dataset's ledger state with what its records on disk say."""
     out = Rebuilt(dataset)
     # An index, not records: the counts need no token ids (see ``index``).
-    ix = build_index(records_dir(ledger.settings.output_dir, dataset))
+    ix = build_index(records_dir(ledger.settings.output_dir, dataset),
+                     output_dir=Path(ledger.settings.output_dir))
     out.problems = [str(p) for p in ix.problems]
     rows, first, out.duplicates = choose_rows(ix)
     stats = {"tokens": 0, "prompt_tokens": 0, "completion_tokens": 0, "samples": 0,

@@ -6,6 +6,7 @@ a function here so tests and benchmarks can drive them without Celery.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -68,8 +69,8 @@ class Context:
 
 @dataclass(frozen=True)
 class Outcome:
-    # stored | duplicate | closed | done | busy | waiting | requeue | lapsing | dead |
-    # discarded
+    # stored | duplicate | closed | done | busy | waiting | requeue | lapsing | lapsed |
+    # dead | discarded
     status: str
     tokens: int = 0
     closed_now: bool = False
@@ -114,12 +115,19 @@ def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
         raise CaptureFailed(f"{path.name} still locked by the server after "
                             f"{settings.capture_timeout_s:.0f} s (capture_timeout_s)")
     try:
-        size = capture.check_file(path, prompt.prompt_ids + gen.output_ids[:-1])
+        size = capture.check_file(path, prompt.prompt_ids + gen.output_ids[:-1],
+                                  _aux_layer_ids(tuple(settings.aux_layer_ids or ()),
+                                                 settings.model_path))
     except (capture.CaptureMismatch, OSError) as exc:
         raise CaptureFailed(f"captured states: {exc}") from exc
     Path(f"{path}.lock").unlink(missing_ok=True)
     return {"states": str(path.relative_to(Path(settings.output_dir).resolve())),
             "states_bytes": size}
+
+
+@functools.lru_cache(maxsize=4)
+def _aux_layer_ids(aux: tuple[int, ...], model_path: str) -> list[int] | None:
+    return capture.run_aux_layer_ids(aux, model_path)
 
 
 def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
@@ -143,12 +151,18 @@ def commit(ctx: Context, job: Job, prompt: Prompt, lease: Lease, gen: Generation
     def attempt() -> Commit:
         result = lease.commit(gen.prompt_tokens or len(prompt.prompt_ids),
                               gen.completion_tokens, gen.truncated, gen.latency_s,
-                              ctx.client.base_url)
+                              ctx.client.base_url, held=ctx.settings.capture_states)
         if result.lost:
             raise LedgerUnavailable("the ledger lost its state (no run marker); the commit "
                                     "waits for it to be rebuilt from the records")
         return result
     result = _until_ledger(attempt, f"commit of {job.dataset}/{job.sample}")
+    if result.lapsed:
+        # its lease lapsed or was reaped (the sample runs again elsewhere) and prepare may
+        # have pruned its states since: the record stays on disk, never counted
+        log.warning("sample %s of %s: stored after its lease ended; not counted (it runs "
+                    "again)", job.sample, job.dataset)
+        return Outcome("lapsed", detail="lease ended before the commit")
     status = "stored" if result.committed else "duplicate"
     return Outcome(status, gen.completion_tokens, result.closed_now)
 

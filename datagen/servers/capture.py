@@ -28,7 +28,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
 LOCK_POLL_S = 0.01
 KEYS = ("input_ids", "aux_hidden_state", "hidden_state")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
+MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
 
 
 class CaptureMismatch(ValueError):
@@ -66,6 +67,18 @@ def vllm_capture(aux_ids: Sequence[int], num_layers: int) -> tuple[list[int], li
     return ids, [ids.index(i) for i in wanted]
 
 
+def text_only(model_path: str, given: Sequence[str] = ()) -> list[str]:
+    """``--limit-mm-per-prompt`` with 0 of every media kind for a multimodal checkpoint
+    (Kimi-K2.5), unless ``given`` (the operator's own arguments) sets it: vLLM then builds no
+    vision tower (a tiny checkpoint's is not even initialised) and no multimodal processor,
+    which cannot exist beside ``--skip-tokenizer-init``. [] for a text model."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    if "vision_config" not in config or any(
+            a.split("=", 1)[0] == "--limit-mm-per-prompt" for a in given):
+        return []
+    return ["--limit-mm-per-prompt", json.dumps({m: 0 for m in MEDIA})]
+
+
 def server_args(model_path: str, output_dir: str | Path, dtype: str,
                 aux_layer_ids: Sequence[int] | None = None) -> list[str]:
     """The `vllm serve` arguments that turn capture on: vLLM's ``extract_hidden_states``
@@ -86,7 +99,45 @@ def server_args(model_path: str, output_dir: str | Path, dtype: str,
                                         "allow_custom_save_path": True, "dtype": dtype,
                                         "slots": slots}}
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv),
-            "--no-enable-prefix-caching"]
+            "--no-enable-prefix-caching", *text_only(model_path)]
+
+
+SCALED_RESIDUAL = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")  # vLLM's DeepseekV2
+
+
+def engine_refusal(async_scheduling: bool, v2_runner: bool, prefix_caching: bool,
+                   dtype: str, model_types: Sequence[str]) -> str | None:
+    """Why a capture server must not start with these engine settings (the connector checks
+    them with the engine's final config, the operator's own arguments included), or None.
+    Each is a known way vLLM 0.32's states come out wrong."""
+    if async_scheduling and not v2_runner:
+        return ("async scheduling with the V1 model runner: accepted drafts repeat a token "
+                "and the states fall out of line with the ids (vLLM #56417); drop "
+                "--async-scheduling or set VLLM_USE_V2_MODEL_RUNNER=1")
+    if prefix_caching:
+        return ("prefix caching is on: a cached prefix has no states, so a file is shorter "
+                "than its ids (vLLM #44485); pass --no-enable-prefix-caching and nothing "
+                "that turns it back on")
+    if dtype == "float16" and set(model_types) & set(SCALED_RESIDUAL):
+        return ("float16 on a DeepSeek/Kimi model: vLLM divides its residual stream by "
+                "routed_scaling_factor in float16 (aux states ~2.8x smaller than the "
+                "model's); use --dtype bfloat16")
+    return None
+
+
+def run_aux_layer_ids(aux_layer_ids: Sequence[int] | None, model_path: str
+                      ) -> list[int] | None:
+    """The aux layers a run captures: the settings', else SpecForge's default for the model
+    (None when neither is known here: no model_path on this host)."""
+    if aux_layer_ids:
+        return list(aux_layer_ids)
+    config = Path(model_path or "", "config.json")
+    if not model_path or not config.is_file():
+        return None
+    from datagen.extraction.estimate import default_aux_layer_ids
+
+    text = json.loads(config.read_text(encoding="utf-8"))
+    return list(default_aux_layer_ids(int(text.get("text_config", text)["num_hidden_layers"])))
 
 
 def wait_released(path: Path, timeout_s: float) -> bool:
@@ -117,13 +168,25 @@ class Header:
     tensors: dict[str, dict[str, Any]]
     data_start: int
     size: int
+    metadata: dict[str, str]
 
     def shape(self, key: str) -> list[int]:
         return list(self.tensors[key]["shape"])
 
 
 def read_header(path: Path) -> Header:
-    """A safetensors header, checked against the file's size (a short file is refused)."""
+    """A safetensors header, checked against the file's size (a short file, or one that is
+    not safetensors, is refused)."""
+    try:
+        return _read_header(path)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError) as exc:
+        # ValueError: JSONDecodeError, UnicodeDecodeError; the rest: a header of another shape
+        if isinstance(exc, CaptureMismatch):
+            raise
+        raise CaptureMismatch(f"{path.name}: not a safetensors file ({exc})") from exc
+
+
+def _read_header(path: Path) -> Header:
     size = path.stat().st_size
     with open(path, "rb") as fh:
         raw = fh.read(8)
@@ -133,22 +196,45 @@ def read_header(path: Path) -> Header:
         if n > size - 8:
             raise CaptureMismatch(f"{path.name}: header of {n} bytes in a {size}-byte file")
         meta = json.loads(fh.read(n))
-    meta.pop("__metadata__", None)
+    extra = meta.pop("__metadata__", None) or {}
     end = max((t["data_offsets"][1] for t in meta.values()), default=0)
     if 8 + n + end != size:
         raise CaptureMismatch(f"{path.name}: {size} bytes, the header says {8 + n + end}")
-    return Header(meta, 8 + n, size)
+    return Header(meta, 8 + n, size, dict(extra))
 
 
-def check_file(path: Path, ids: Sequence[int]) -> int:
+def check_file(path: Path, ids: Sequence[int],
+               aux_layer_ids: Sequence[int] | None = None) -> int:
     """That ``path`` holds the states of exactly ``ids`` (prompt + output minus its last):
-    every key, consistent shapes, the whole size, the same ids. Returns the file's size."""
+    every key, consistent shapes, the whole size, the same ids, and (when given) the run's
+    aux layers in its metadata. Returns the file's size."""
     if not path.is_file():
         raise CaptureMismatch(f"{path.name}: not written")
     head = read_header(path)
     missing = [k for k in KEYS if k not in head.tensors]
     if missing:
         raise CaptureMismatch(f"{path.name}: no {', '.join(missing)}")
+    if aux_layer_ids is not None:
+        _check_layers(path, head, aux_layer_ids)
+    try:
+        return _check_ids(path, head, ids)
+    except (struct.error, KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CaptureMismatch):
+            raise
+        raise CaptureMismatch(f"{path.name}: unreadable ids ({exc})") from exc
+
+
+def _check_layers(path: Path, head: Header, aux_layer_ids: Sequence[int]) -> None:
+    try:
+        stored = json.loads(head.metadata.get("aux_layer_ids", "null"))
+    except ValueError:
+        stored = head.metadata.get("aux_layer_ids")
+    if stored != list(aux_layer_ids):
+        raise CaptureMismatch(f"{path.name}: captured at aux layers {stored}, the run's are "
+                              f"{list(aux_layer_ids)} (the server's launch differs)")
+
+
+def _check_ids(path: Path, head: Header, ids: Sequence[int]) -> int:
     n = len(ids)
     ids_info = head.tensors["input_ids"]
     aux, final = head.shape("aux_hidden_state"), head.shape("hidden_state")
@@ -191,16 +277,17 @@ def _writing(path: Path) -> bool:
         os.close(fd)
 
 
-def prune(output_dir: str | Path, dataset: str, kept: Callable[[], set[str]]
+def prune(output_dir: str | Path, dataset: str, kept: Callable[[], Container[str]]
           ) -> tuple[int, int]:
     """Delete the files of the dataset's lost attempts; returns (files, bytes) deleted.
 
     A lost attempt is one no counted record names and that is not in flight: reaped or timed
     out but finished on its server anyway, the losing copy of a duplicate, cut by a server
-    killed mid-write. ``kept`` gives the rids to keep (the ledger's committed and in-flight
-    rids) and is called after the folder is listed: a commit needs its attempt's in-flight
-    entry, so an attempt listed here is either kept then or never counted. Files whose lock
-    the connector holds are left alone (a write still going on)."""
+    killed mid-write. ``kept`` gives the rids to keep (``Ledger.kept``: the in-flight rids,
+    then the committed ones) and is called after the folder is listed: a capture's commit
+    needs its attempt's in-flight entry (commit.lua), so an attempt listed here is either
+    kept then or never counted. Files whose lock the connector holds are left alone (a write
+    still going on)."""
     folder = Path(output_dir).resolve() / STATES_DIR / dataset
     if not folder.is_dir():
         return 0, 0

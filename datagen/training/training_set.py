@@ -345,7 +345,9 @@ def _shard_line(idx: int, record: dict[str, Any], digest: Any, out: Path) -> str
     if spans is not None:  # several generated turns: the loss covers each of them
         row["loss_spans"] = spans
     if record.get("states"):  # captured in the generation pass (capture_states)
-        row["states"] = str(out.resolve() / record["states"])
+        # relative to output_dir, as the record has it: each gpu worker resolves it against
+        # its own output_dir (a host may mount the shared folder elsewhere)
+        row["states"] = record["states"]
     line = json.dumps(row, separators=(",", ":"), ensure_ascii=False) + "\n"
     digest.update(line.encode("utf-8"))
     return line

@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from config.settings import Settings, SettingsError
 from datagen.errors import CaptureFailed, ServerUnavailable
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import Rejected, prepare
+from datagen.extraction.manifest import shard_name
 from datagen.generation.job import Prompt
+from datagen.generation.ledger import Ledger, connect
 from datagen.generation.records import iter_records, records_dir
 from datagen.generation.runner import await_states
 from datagen.servers import capture
@@ -66,6 +69,51 @@ def test_a_file_that_is_not_the_samples_states_is_refused(tmp_path: Path, damage
         capture.check_file(path, ids)
 
 
+@pytest.mark.parametrize("garbage", [b"\x01\x00", b"\x05" + b"\x00" * 7 + b"{not!",
+                                     b"\x02" + b"\x00" * 7 + b"[]"])
+def test_a_file_that_is_not_safetensors_is_a_mismatch_not_a_crash(tmp_path: Path,
+                                                                  garbage: bytes) -> None:
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(garbage)
+    with pytest.raises(capture.CaptureMismatch):
+        capture.check_file(path, [1, 2])
+
+
+def test_a_file_captured_at_other_aux_layers_is_refused_before_the_sample_counts(
+        tmp_path: Path) -> None:
+    # Given: a file the server captured at AUX, and a run whose settings name other layers
+    settings = Settings(output_dir=str(tmp_path), capture_states=True, server_kind="vllm",
+                        capture_timeout_s=0.05, aux_layer_ids=[1, 2, 3])
+    path = capture.states_path(tmp_path, "B1", "r1")
+    write_states(path, [1, 2, 3, 40, 41])
+
+    # When / Then: the worker's check refuses it (retryable: never counted)
+    assert capture.check_file(path, [1, 2, 3, 40, 41], AUX) == path.stat().st_size
+    with pytest.raises(CaptureFailed, match=r"aux layers \[1, 3, 4\], the run's are \[1, 2, 3\]"):
+        await_states(settings, path, Prompt("s", "B1", [], [1, 2, 3]), gen([40, 41, 42]))
+
+
+@pytest.mark.parametrize("setting,why", [
+    ({"async_scheduling": True}, "async scheduling with the V1 model runner"),
+    ({"prefix_caching": True}, "prefix caching is on"),
+    ({"dtype": "float16", "model_types": ["kimi_k25", "deepseek_v3"]}, "float16 on a DeepSeek"),
+])
+def test_a_capture_server_refuses_settings_under_which_its_states_are_wrong(
+        setting: dict, why: str) -> None:
+    fine = {"async_scheduling": False, "v2_runner": False, "prefix_caching": False,
+            "dtype": "bfloat16", "model_types": ["kimi_k25", "deepseek_v3"]}
+    assert capture.engine_refusal(**fine) is None
+    assert why in (capture.engine_refusal(**{**fine, **setting}) or "")
+    # the V2 runner takes async scheduling; float16 is fine for other models
+    assert capture.engine_refusal(**{**fine, "async_scheduling": True, "v2_runner": True}) is None
+    assert capture.engine_refusal(**{**fine, "dtype": "float16", "model_types": ["llama"]}) is None
+
+
+def test_capture_refuses_several_samples_per_request() -> None:
+    with pytest.raises(SettingsError, match="sampling_params.n = 2 with capture_states"):
+        Settings(capture_states=True, server_kind="vllm", sampling_params={"n": 2})
+
+
 def test_the_wait_ends_when_the_servers_lock_is_released(tmp_path: Path) -> None:
     path = tmp_path / "a.safetensors"
     held = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
@@ -107,6 +155,28 @@ def test_server_args_capture_the_aux_layers_and_the_last_one_under_states(tmp_pa
         "CaptureConnector", "datagen.extraction.vllm_connector")
     assert extra["shared_storage_path"] == str((tmp_path / "run" / "states").resolve())
     assert extra["slots"] == [0, 1, 2, 3] and extra["dtype"] == "float32"
+
+
+def test_a_kimi_k25_capture_server_is_launched_text_only(tmp_path: Path) -> None:
+    # Given: a folder laid out as Kimi-K2.5's (a vision tower beside the text model)
+    from cli.vllm import launch_argv
+    from datagen.builders.tiny_kimi import build_tiny_kimi_k25
+
+    folder = build_tiny_kimi_k25(tmp_path / "kimi", 512, hidden_size=128, num_layers=8)
+
+    # When: the capture server's command line is made
+    argv = launch_argv(folder, 8000, 256, "bfloat16",
+                       capture.server_args(str(folder), tmp_path / "run", "bfloat16"))
+
+    # Then: no media of any kind (vLLM builds no vision tower and no multimodal processor,
+    # which --skip-tokenizer-init rules out); the operator's own setting is left alone; a
+    # text model gets nothing
+    limit = argv[argv.index("--limit-mm-per-prompt") + 1]
+    assert json.loads(limit) == {"image": 0, "video": 0, "vision_chunk": 0}
+    assert "--skip-tokenizer-init" in argv
+    assert capture.text_only(str(folder), ["--limit-mm-per-prompt={\"image\": 1}"]) == []
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": LAYERS}))
+    assert "--limit-mm-per-prompt" not in capture.server_args(str(tmp_path), tmp_path, "bf16")
 
 
 def gen(output_ids: list[int]) -> Generation:
@@ -177,6 +247,109 @@ def test_the_captured_backend_writes_specforge_files_from_the_captured_states(
         for key in ("aux_hidden_state", "hidden_state"):
             assert got[key].dtype == torch.bfloat16 and got[key].shape[:2] == (1, kept)
             assert torch.equal(got[key][0], states[idx][key][:kept].to(torch.bfloat16))
+
+
+EOS = 99
+
+
+def captured_shard(tmp_path: Path, lengths: list[tuple[int, int]]) -> tuple[Path, Path]:
+    """(model folder, shard) of samples whose output ends in EOS, each with its file."""
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(
+        {"hidden_size": H, "num_hidden_layers": LAYERS, "vocab_size": VOCAB}))
+    recs = []
+    for idx, (n_prompt, n_out) in enumerate(lengths):
+        prompt, out = list(range(10, 10 + n_prompt)), [*range(50, 49 + n_out), EOS]
+        path = tmp_path / "run" / "states" / f"r{idx}.safetensors"
+        write_states(path, prompt + out[:-1], seed=idx)
+        recs.append({"idx": idx, "id": f"s{idx}", "dataset": "B1", "prompt_ids": prompt,
+                     "output_ids": out, "states": str(path)})
+    return model, write_jsonl(tmp_path / "shard.jsonl", recs)
+
+
+def test_the_stop_token_is_counted_for_the_draft_vocab_as_in_an_hf_row(tmp_path: Path
+                                                                       ) -> None:
+    # Given: 5 captured samples whose outputs end in EOS (never an input: not in the file),
+    # the last one longer than train_max_length
+    from datagen.training import vocab_mapping as vm
+
+    model, shard = captured_shard(tmp_path, [(3, 4)] * 4 + [(4, 20)])
+    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                           dtype="float32", device="cpu", max_length=16, backend="captured")
+
+    # When: the shard is extracted
+    with Extractor(cfg) as ex:
+        assert ex.run_shard(shard).written == 5
+    counts, _ = vm.read_shard_counts(tmp_path / "hs" / vm.COUNTS_DIR /
+                                     f"{shard_name(shard)}.json")
+
+    # Then: EOS counts once per sample whose hf row keeps it (the cut one's does not), and
+    # every other id as the hf rows count it
+    assert counts[EOS][0] == 4
+    assert counts[50][0] == 5 and counts[52][0] == 5 and 10 not in counts
+
+
+def test_specforge_trains_the_stop_tokens_prediction_in_a_captured_row_too() -> None:
+    # Given: one sample's hf row (prompt 3, output 4 ending in EOS) and its captured row (one
+    # position fewer), with final states numbered by position
+    from specforge.algorithms.eagle3.data import normalize_offline_sample
+    from specforge.utils import padding
+
+    ids = [10, 11, 12, 50, 51, 52, EOS]
+    def row(n: int) -> dict:
+        return {"input_ids": torch.tensor(ids[:n]), "loss_mask": torch.tensor(
+            [0, 0, 0] + [1] * (n - 3)), "aux_hidden_state": torch.zeros(1, n, 3 * H),
+            "hidden_state": torch.arange(n, dtype=torch.float32)[None, :, None].expand(
+                1, n, H)}
+
+    # When: SpecForge's offline normalizer and its target head's shift run on each
+    def trained(n: int) -> list[int]:
+        t = normalize_offline_sample(row(n), 2048)
+        target = padding(t["target"], left=False)  # TargetHead.preprocess
+        return [int(target[0, i, 0]) for i in range(n) if t["loss_mask"][0, i]]
+
+    # Then: the trained targets are the final states at positions 4..6 (hf) and 4..5
+    # (captured): the state at position 5 (its lm_head predicts EOS, position 6) in both;
+    # only the hf row's state at EOS itself (what follows a stop) is not in the captured row
+    assert trained(7) == [4, 5, 6]
+    assert trained(6) == [4, 5]
+
+
+def test_shards_name_states_under_the_run_folder_wherever_a_worker_mounts_it(
+        tmp_path: Path) -> None:
+    # Given: a run whose records name their captured states (relative to output_dir)
+    from datagen.training.training_set import prepare as prepare_set
+    from datagen.training.training_set import read_manifest, training_dir
+
+    run = tmp_path / "host-a" / "run"
+    recs = []
+    for i in range(3):
+        rel = f"states/B1/r{i}.safetensors"
+        write_states(run / rel, [1, 2, 3, 40 + i, 41, 42], seed=i)
+        recs.append({"v": 1, "id": f"s{i}", "dataset": "B1", "rid": f"r{i}", "messages": [],
+                     "prompt_ids": [1, 2, 3], "output_ids": [40 + i, 41, 42, EOS],
+                     "prompt_tokens": 3, "completion_tokens": 4, "truncated": False,
+                     "time": 1.0 + i, "states": rel, "states_bytes": 1})
+    write_jsonl(run / "records" / "B1" / "h-1.jsonl", recs)
+    prepare_set(Settings(output_dir=str(run), shard_samples=4), {}, None)
+    shard = run / read_manifest(training_dir(run))["shards"][0]["path"]
+
+    # When: a gpu worker that mounts the shared folder elsewhere extracts the shard
+    moved = tmp_path / "host-b" / "mnt"
+    moved.parent.mkdir()
+    run.rename(moved)
+    model, _ = captured_shard(tmp_path, [])
+    cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                           dtype="float32", device="cpu", backend="captured",
+                           run_dir=str(moved))
+    lines = [json.loads(x) for x in (moved / shard.relative_to(run)).read_text().splitlines()]
+    with Extractor(cfg) as ex:
+        result = ex.run_shard(moved / shard.relative_to(run))
+
+    # Then: the shard names each file relative to the run folder, and the worker finds them
+    assert sorted(x["states"] for x in lines) == [f"states/B1/r{i}.safetensors" for i in range(3)]
+    assert result.written == 3 and not result.failures
 
 
 def test_the_captured_backend_refuses_states_of_other_aux_layers(tmp_path: Path) -> None:
@@ -265,6 +438,75 @@ def test_prune_deletes_only_the_files_of_lost_attempts(tmp_path: Path) -> None:
     assert [capture.attempt_rid(n) for n in ("a.safetensors", "a.safetensors.lock",
                                              ".a.safetensors.tmp-1-2", "notes.txt")] == [
         "a", "a", "a", None]
+
+
+class ReadsThenCommits:
+    """``ledger.r``'s hash reads, with ``commit`` run once right after the ``after``-th of
+    them has ended (an HSCAN's when its last reply is in): an attempt that commits while
+    prepare's prune reads which attempts to keep."""
+
+    def __init__(self, ledger: Ledger, after: int, commit: Any):
+        self.reads, self.after, self.commit = 0, after, commit
+        real_hgetall, real_hscan = ledger.r.hgetall, ledger.r.hscan_iter
+        ledger.r.hgetall = lambda *a, **k: self._ended(real_hgetall(*a, **k))  # type: ignore
+        ledger.r.hscan_iter = lambda *a, **k: self._scan(real_hscan(*a, **k))  # type: ignore
+
+    def _ended(self, value: Any) -> Any:
+        self.reads += 1
+        if self.reads == self.after:
+            self.commit()
+        return value
+
+    def _scan(self, items: Any) -> Any:
+        yield from items
+        self._ended(None)
+
+
+@pytest.mark.parametrize("after", [1, 2])
+def test_prune_keeps_the_file_of_an_attempt_that_commits_while_it_reads_the_ledger(
+        tmp_path: Path, redis_url: str, after: int) -> None:
+    # Given: an attempt in flight whose file is written, and a lost one's file
+    from cli.extraction import prune_lost_states
+
+    settings = Settings(redis_url=redis_url, output_dir=str(tmp_path), capture_states=True,
+                        server_kind="vllm", token_budget=1000)
+    ledger = Ledger(connect(redis_url), settings)
+    ledger.register(["B1"])
+    ledger.mark_run()
+    assert ledger.admit("B1", "s1", "r1", "w", 3, 100).status == "ok"
+    for rid in ("r1", "lost"):
+        write_states(capture.states_path(tmp_path, "B1", rid), [1, 2, 3])
+    committed = []
+
+    # When: the attempt commits right after the prune's first (or second) read of the ledger
+    ReadsThenCommits(ledger, after, lambda: committed.append(
+        ledger.commit("B1", "s1", "r1", 3, 10, False, 1.0)))
+    prune_lost_states(ledger, ["B1"])
+
+    # Then: it was counted, and its file is still there; the lost one's is gone
+    assert committed and committed[0].committed
+    assert capture.states_path(tmp_path, "B1", "r1").is_file()
+    assert not capture.states_path(tmp_path, "B1", "lost").exists()
+
+
+def test_a_captured_attempt_whose_lease_ended_is_never_counted(redis_url: str) -> None:
+    # Given: two attempts whose in-flight entries went before their commits (reaped, or
+    # released): prepare may have pruned their files since
+    ledger = Ledger(connect(redis_url), Settings(redis_url=redis_url, token_budget=1000))
+    ledger.register(["B1"])
+    ledger.mark_run()
+    for sample, rid in (("s1", "r1"), ("s2", "r2")):
+        assert ledger.admit("B1", sample, rid, "w", 3, 100).status == "ok"
+        ledger.release("B1", sample, rid)
+
+    # When: each commits, one with its states captured, one without
+    captured = ledger.commit("B1", "s1", "r1", 3, 10, False, 1.0, held=True)
+    plain = ledger.commit("B1", "s2", "r2", 3, 10, False, 1.0)
+
+    # Then: the captured one is refused and not counted; the other counts, as before
+    assert captured.lapsed and not captured.committed
+    assert plain.committed and not plain.lapsed
+    assert ledger.committed("B1") == {"s2": "r2 10"}
 
 
 # The connector's write (CaptureConnector._write_sample runs inside vLLM; vLLM is not in this

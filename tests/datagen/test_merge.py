@@ -155,3 +155,28 @@ def test_compact_lines_are_copied_and_other_lines_re_encoded(out: Path) -> None:
     # An index for counting only does not pay for the check: nothing is copied from it.
     assert not any(e.verbatim for e in iter_index(records_dir(out, "B1"))
                    if not isinstance(e, Problem))
+
+
+def test_a_record_whose_captured_states_were_pruned_is_never_chosen_again(
+        tmp_path: Path, redis_url: str) -> None:
+    # Given: s1 stored twice with capture on: the earliest copy's attempt was never counted
+    # and prepare pruned its file; the later copy's file is there
+    folder = records_dir(tmp_path, "B1")
+    states = tmp_path / "states" / "B1"
+    states.mkdir(parents=True)
+    (states / "r2.safetensors").write_bytes(b"x")
+    write_lines(folder / "hostA-1.jsonl", [
+        compact(record("s1", "r1", 1.0, states="states/B1/r1.safetensors")),
+        compact(record("s1", "r2", 2.0, states="states/B1/r2.safetensors"))])
+
+    # When: merged without the ledger, and the ledger rebuilt from the records
+    report = merge_dataset(tmp_path, "B1", None)
+    ledger = Ledger(connect(redis_url), Settings(redis_url=redis_url, output_dir=str(tmp_path)))
+    ledger.register(["B1"])
+    rebuild_dataset(ledger, "B1")
+
+    # Then: both take the copy whose states exist
+    merged = merged_path(tmp_path, "B1").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["rid"] for line in merged] == ["r2"]
+    assert report.states_gone == 1 and report.duplicates == 0
+    assert ledger.committed("B1") == {"s1": "r2 3"}

@@ -11,8 +11,8 @@ import torch
 from config.settings import SettingsError, load_settings
 from datagen.builders.tiny_kimi import build_tiny_kimi_k25
 from datagen.extraction.backends.base import text_config
-from datagen.extraction.backends.vllm import engine_python, loss_spans, multimodal
-from datagen.servers.capture import vllm_capture
+from datagen.extraction.backends.vllm import engine_python, loss_spans
+from datagen.servers.capture import text_only, vllm_capture
 from datagen.servers.launch import CPU_KV_CACHE_GIB, engine_env
 from datagen.training.handoff import loss_mask
 
@@ -73,7 +73,7 @@ def test_a_kimi_k25_folder_gives_the_backend_its_text_shape_and_the_norm(tmp_pat
     """What the backend and its connector read from a folder laid out as Kimi-K2.5's."""
     folder = build_tiny_kimi_k25(tmp_path / "kimi", 512, hidden_size=128, num_layers=8)
     config = json.loads((folder / "config.json").read_text())
-    assert config["model_type"] == "kimi_k25" and multimodal(str(folder))
+    assert config["model_type"] == "kimi_k25" and text_only(str(folder))
     text = text_config(str(folder))
     assert (text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]) == (128, 8, 512)
     assert text["kv_lora_rank"] + text["qk_rope_head_dim"] == 576  # vLLM's CPU MLA latent
@@ -85,3 +85,27 @@ def test_a_kimi_k25_folder_gives_the_backend_its_text_shape_and_the_norm(tmp_pat
     # the final norm the connector applies, under Kimi-K2.5's prefix
     assert "language_model.model.norm.weight" in names
     assert not any(n.startswith("model.") for n in names)
+
+
+def test_a_write_that_never_ends_is_an_engine_lost_after_the_read_timeout(tmp_path) -> None:
+    # Given: a running engine whose connector holds a file's lock and never releases it
+    import fcntl
+    import os
+    from types import SimpleNamespace
+
+    from datagen.errors import EngineLost
+    from datagen.extraction.backends.vllm import VLLMBackend
+
+    backend = VLLMBackend.__new__(VLLMBackend)
+    backend.read_timeout_s = 0.2
+    backend.server = SimpleNamespace(alive=lambda: True, proc=None, log_path="vllm.log")
+    path = tmp_path / "data_0.ckpt"
+    held = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    # When / Then: the wait gives up with the engine's fault, not never
+    try:
+        with pytest.raises(EngineLost, match="still being written after 0 s"):
+            backend._wait_written(path)
+    finally:
+        os.close(held)

@@ -1,9 +1,10 @@
 """The `captured` backend: SpecForge's files from the states the generation server captured
 (``capture_states``), with no forward pass.
 
-Each shard line names the file its committed record names (datagen/servers/capture.py: ``input_ids``
-[L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last output id never
-an input and so not in it); files.prepare cut the sample to those ids and to
+Each shard line names the file its committed record names, relative to the run's
+``output_dir`` (``run_dir`` here: this host's mount of it) (datagen/servers/capture.py:
+``input_ids`` [L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last
+output id never an input and so not in it); files.prepare cut the sample to those ids and to
 ``train_max_length``. This backend reads the kept positions only (safetensors slices), checks
 the ids, casts to ``extract_dtype`` and writes ``data_{idx}.ckpt`` through the Extractor's
 atomic write, loss mask from the record's prompt/output split; the Extractor keeps everything
@@ -34,6 +35,12 @@ class CapturedBackend:
         set_shape(self, text_config(cfg.model_path), cfg.aux_layer_ids, device)
         self.dtype = DTYPES[cfg.dtype]
         self.inflight = cfg.writer_threads
+        self.run_dir = Path(cfg.run_dir or ".")
+
+    def path(self, sample: Sample) -> Path:
+        """The sample's file: the shard names it relative to the run's output_dir (an
+        absolute name, as older shards have, is taken as it is)."""
+        return self.run_dir / sample.states
 
     def forward_row(self, id_lists: Sequence[Sequence[int]], out: torch.Tensor) -> None:
         raise NotImplementedError("the captured backend runs no forward: Extractor uses extract()")
@@ -42,19 +49,19 @@ class CapturedBackend:
         """(aux [1, n, 3H], final [1, n, H]) of the sample's kept positions, checked."""
         from safetensors import safe_open
 
-        n = sample.length
-        with safe_open(sample.states, framework="pt") as fh:
+        n, path = sample.length, self.path(sample)
+        with safe_open(str(path), framework="pt") as fh:
             aux_ids = json.loads((fh.metadata() or {}).get("aux_layer_ids", "null"))
             if aux_ids != list(self.aux_layer_ids):
-                raise ValueError(f"{Path(sample.states).name}: captured at aux layers "
+                raise ValueError(f"{path.name}: captured at aux layers "
                                  f"{aux_ids}, extraction asks for {list(self.aux_layer_ids)}")
             ids = fh.get_slice("input_ids")[:n]
             aux = fh.get_slice("aux_hidden_state")[:n]
             final = fh.get_slice("hidden_state")[:n]
         if ids.tolist() != sample.input_ids:
-            raise ValueError(f"{Path(sample.states).name}: its ids are not the record's")
+            raise ValueError(f"{path.name}: its ids are not the record's")
         if aux.shape != (n, self.n_aux * self.hidden) or final.shape != (n, self.hidden):
-            raise ValueError(f"{Path(sample.states).name}: aux {list(aux.shape)}, final "
+            raise ValueError(f"{path.name}: aux {list(aux.shape)}, final "
                              f"{list(final.shape)}; expected {n} x {self.n_aux} x {self.hidden}")
         return aux.to(self.dtype).unsqueeze(0), final.to(self.dtype).unsqueeze(0)
 

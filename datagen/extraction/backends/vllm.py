@@ -48,7 +48,7 @@ import torch
 
 from datagen.errors import EngineLost
 from datagen.extraction.backends.base import set_shape, text_config
-from datagen.servers.capture import vllm_capture
+from datagen.servers.capture import text_only, vllm_capture
 from datagen.servers.launch import LAUNCHER, engine_env, free_port, stop_group
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,6 @@ SERVED_NAME = "datagen-target"
 CONNECTOR = "DatagenConnector"
 CONNECTOR_MODULE = "datagen.extraction.vllm_connector"
 LOCK_POLL_S = 0.02
-MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
-
 
 
 @dataclass(frozen=True)
@@ -84,11 +82,6 @@ def engine_python(wanted: str) -> str:
                          "an environment that has it (`make vllm-env` makes "
                          ".venv-vllm/bin/python), or install vllm here")
     return sys.executable
-
-
-def multimodal(model_path: str) -> bool:
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    return "vision_config" in config
 
 
 class VLLMServer:
@@ -122,9 +115,7 @@ class VLLMServer:
                "--kv-transfer-config", json.dumps(kv), *shlex.split(opts.args)]
         if cfg.trust_remote_code:
             cmd.append("--trust-remote-code")
-        if multimodal(cfg.model_path) and "--limit-mm-per-prompt" not in opts.args:
-            # text only: vLLM then never builds the vision tower (Kimi-K2.5's MoonViT)
-            cmd += ["--limit-mm-per-prompt", json.dumps({m: 0 for m in MEDIA})]
+        cmd += text_only(cfg.model_path, shlex.split(opts.args))
         env = engine_env()
         log.info("starting vLLM (%s, TP %d) for %s; log: %s", python, opts.tensor_parallel,
                  cfg.model_path, self.log_path)
@@ -233,11 +224,14 @@ class VLLMBackend:
         return path.stat().st_size
 
     def _wait_written(self, path: Path) -> None:
+        """Until the connector released the file's lock, or its engine stopped; EngineLost
+        when it holds the lock past ``read_timeout_s`` (a writer that never ends)."""
         lock = Path(f"{path}.lock")
         try:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
             return  # nothing was ever locked: the caller finds no file
+        deadline = time.monotonic() + self.read_timeout_s
         try:
             while True:
                 try:
@@ -246,6 +240,9 @@ class VLLMBackend:
                 except BlockingIOError:
                     if not self.server.alive():
                         break
+                    if time.monotonic() > deadline:
+                        raise self._lost(f"{path.name} still being written after "
+                                         f"{self.read_timeout_s:.0f} s") from None
                     time.sleep(LOCK_POLL_S)
         finally:
             os.close(fd)

@@ -14,15 +14,21 @@
 -- ARGV[14] model refresh interval (ms)  ARGV[15] prior tokens per second of a request
 -- ARGV[16] prior mean response length  ARGV[17] measure  ARGV[18] margin in sd
 -- ARGV[19] precise admission (1) or naive (0)
+-- ARGV[20] 1: count the record only while this rid holds the sample's in-flight entry (its
+--          states were captured: prepare's prune deletes the files of attempts neither in
+--          flight nor counted, so a lapsed or reaped attempt's file may be gone already)
 -- KEYS[19] model string
 -- Returns {status, committed tokens after, closed now 0/1, refresh the model 0/1,
 --          payload to enqueue, ...}; status "ok" | "duplicate" | "lost" (no run marker:
---          hold the commit, the record is safe on disk, until the ledger is rebuilt)
+--          hold the commit, the record is safe on disk, until the ledger is rebuilt) |
+--          "lapsed" (ARGV[20] and the entry is not this rid's: not counted, nothing changed)
 local sample, rid = ARGV[2], ARGV[3]
 local counted = tonumber(ARGV[4])
 if redis.call('EXISTS', KEYS[1]) == 0 then return {'lost', 0, 0, 0} end
 
-release_own(KEYS[4], KEYS[11], KEYS[12], sample, rid)
+if not release_own(KEYS[4], KEYS[11], KEYS[12], sample, rid) and ARGV[20] == '1' then
+  return {'lapsed', tonumber(redis.call('HGET', KEYS[3], 'tokens') or '0'), 0, 0}
+end
 local function woken(head)
   return wake_into_room(
     {closed = KEYS[7], parked = KEYS[13], pending = KEYS[5], buckets = KEYS[11],
