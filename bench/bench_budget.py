@@ -10,6 +10,8 @@ per second in the last 5% before the close against the steady state (20-80%).
     .venv/bin/python bench/bench_budget.py            # budget 2M, 150 workers, 3 rounds
     .venv/bin/python bench/bench_budget.py --datasets 4 --budget 300000   # sharing a server
     .venv/bin/python bench/bench_budget.py --budget 15000 --rules precise,min16  # small budget
+    .venv/bin/python bench/bench_budget.py --rules precise --setting cap_to_window=false
+        # a budget of trainable tokens (the default) while responses run past the window
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def parse_args() -> argparse.Namespace:
                    help="comma list, run in this order each round: precise (the settings' "
                         "rule), min16 (precise, the length model only after 16 responses: "
                         "the rule before v3), naive")
+    p.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                   help="another setting of every process, e.g. cap_to_window=false")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "budget.json"))
     return p.parse_args()
 
@@ -126,6 +130,8 @@ def one_round(args: argparse.Namespace, rule: str, tmp: Path, tokenizer: Path,
                "DATAGEN_SHORT_CONCURRENCY": str(args.workers),
                "DATAGEN_SHORT_MAX_TOKENS": str(args.max_new_tokens),
                "DATAGEN_LEASE_S": "10", **RULES[rule]}
+        env.update({f"DATAGEN_{name.upper()}": value
+                    for name, _, value in (item.partition("=") for item in args.setting)})
         if args.margin_sd is not None:
             env["DATAGEN_ADMISSION_MARGIN_SD"] = str(args.margin_sd)
         worker = start_worker("short", child_env(env), logs, name=f"bench-{rule}@%h")

@@ -184,7 +184,8 @@ def cmd_plot(settings: Settings, args: argparse.Namespace) -> int:
         return 2
     out = args.out or os.path.join(settings.output_dir, "progress.png")
     budgets = run_budgets(settings, datasets_on_disk(settings.output_dir))
-    print(plot_run(settings.output_dir, budgets, out, measure=settings.budget_counts))
+    print(plot_run(settings.output_dir, budgets, out, measure=settings.budget_counts,
+                   window=settings.train_max_length))
     return 0
 
 

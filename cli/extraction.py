@@ -31,7 +31,13 @@ from datagen.extraction.manifest import shard_name
 from datagen.generation.committed import Committed
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
-from datagen.generation.records import canonical, iter_records, loss_spans, records_dir
+from datagen.generation.records import (
+    canonical,
+    counted_tokens,
+    iter_records,
+    loss_spans,
+    records_dir,
+)
 from datagen.servers import capture
 from datagen.training import draft_config, handoff, training_set
 from datagen.training.text_rows import TextRows
@@ -303,7 +309,57 @@ def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
                     captured)
     print(f"tokens: {source}\ntokens/s per GPU: {rate_source}")
     print(plan.text)
+    for line in _generation_lines(settings, args, plan.total_tokens, rate):
+        print(line)
     return 0
+
+
+def _generation_lines(settings: Settings, args: argparse.Namespace, extracted: int,
+                      rate: float) -> list[str]:
+    """Per dataset the tokens generated so far and those inside train_max_length (what
+    trains), with the GPU hours of both phases: generation (with --generate-tokens-per-s)
+    and extraction (the plan's rate; 0 with capture)."""
+    done = _generated_and_trainable(settings)
+    if not done:
+        return []
+    lines = [f"{'generated so far':<24}{'generated':>16}{'trainable':>16}{'share':>8}"]
+    for ds, (gen, trains) in done.items():
+        share = f"{100 * trains / gen:.0f}%" if gen else "-"
+        lines.append(f"{ds:<24}{gen:>16,}{trains:>16,}{share:>8}")
+    gen = sum(g for g, _ in done.values())
+    trains = sum(t for _, t in done.values())
+    lines.append(f"{'total':<24}{gen:>16,}{trains:>16,}"
+                 f"{(f'{100 * trains / gen:.0f}%' if gen else '-'):>8}")
+    if args.generate_tokens_per_s:
+        hours = gen / args.generate_tokens_per_s * args.generate_gpus / 3600
+        lines.append(f"generation GPU h = {gen:,} generated / {args.generate_tokens_per_s:,.0f} "
+                     f"tokens/s per server x {args.generate_gpus} GPUs / 3600 = {hours:,.1f} "
+                     f"({hours * trains / gen if gen else 0:,.1f} of them on what trains)")
+    if rate:
+        lines.append(f"extraction GPU h = {extracted:,} tokens / {rate:,.0f} tokens/s / 3600 = "
+                     f"{extracted / rate / 3600:,.1f}")
+    return lines
+
+
+def _generated_and_trainable(settings: Settings) -> dict[str, tuple[int, int]]:
+    """dataset -> (generated, trainable) tokens of its committed samples: the ledger's
+    counters when it counts trainable tokens, else the records on disk."""
+    try:
+        ledger = _ledger(settings)
+        stats = {ds: ledger.snapshot(ds)["stats"] for ds in ledger.datasets()}
+    except redis.RedisError:
+        stats = {}
+    if stats and settings.budget_counts == "trainable":
+        return {ds: (int(s.get("completion_tokens", 0)), int(s.get("tokens", 0)))
+                for ds, s in stats.items()}
+    out = {}
+    for ds in datasets_on_disk(settings.output_dir):
+        chosen, _, _ = canonical(iter_records(records_dir(settings.output_dir, ds)))
+        out[ds] = (sum(int(r.get("completion_tokens") or len(r.get("output_ids") or []))
+                       for r in chosen.values()),
+                   sum(counted_tokens(r, "trainable", settings.train_max_length) or 0
+                       for r in chosen.values()))
+    return out
 
 
 def _planned_tokens(settings: Settings, args: argparse.Namespace

@@ -208,6 +208,11 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
                      help="per gpu worker (default: the file `datagen calibrate` writes on a "
                           "GPU worker; on a machine with no calibration, e.g. a CPU-only one, "
                           "this flag is required)")
+    est.add_argument("--generate-tokens-per-s", type=float,
+                     help="tokens/s of one generation server (all its requests together): "
+                          "prints the generation phase's GPU hours")
+    est.add_argument("--generate-gpus", type=int, default=8,
+                     help="GPUs of one generation server (default 8)")
     est.add_argument("--capture", action="store_true",
                      help="plan for capture_states (also when the settings turn it on): no "
                           "extraction forward, the captured files counted on disk")

@@ -17,12 +17,17 @@ def print_json(data: Any) -> None:
 
 
 def render_produce(reports: list[Any]) -> str:
+    """The produce table; ``window``: prompts not sent because train_max_length leaves them
+    too little room (cap_to_window), ``trains``: the share of the enqueued max_new_tokens
+    inside the window."""
     lines = [f"{'dataset':<14} {'read':>6} {'enqueued':>8} {'short':>6} {'long':>5} "
-             f"{'done':>6} {'queued':>6} {'clamped':>7} {'skipped':>7}"]
+             f"{'done':>6} {'queued':>6} {'clamped':>7} {'skipped':>7} {'window':>6} "
+             f"{'trains':>6}"]
     for r in reports:
+        trains = "-" if r.trains is None else f"{100 * r.trains:.0f}%"
         lines.append(f"{r.dataset:<14} {r.read:>6} {r.enqueued:>8} {r.short:>6} {r.long:>5} "
                      f"{r.already_done:>6} {r.already_queued:>6} {r.clamped:>7} "
-                     f"{r.bad_count:>7}")
+                     f"{r.bad_count:>7} {len(r.window):>6} {trains:>6}")
     for r in reports:
         if getattr(r, "conversations", 0):
             lines.append(f"{r.dataset}: {r.read} samples from {r.conversations} conversations "
@@ -30,13 +35,18 @@ def render_produce(reports: list[Any]) -> str:
         for line in (r.rebuilt, r.skipped):
             if line:
                 lines.append(line)
-        for bad in r.bad[:10]:
-            lines.append(f"  skipped {bad}")
-        if r.bad_count > 10:
-            lines.append(f"  ... {r.bad_count - 10} more in reports/{r.dataset}.bad.txt")
+        lines += _skips(r.dataset, r.bad) + _skips(r.dataset, r.window)
     total_bad = sum(r.bad_count for r in reports)
-    lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input")
+    lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input, "
+                 f"{sum(len(r.window) for r in reports)} for the window")
     return "\n".join(lines)
+
+
+def _skips(dataset: str, reasons: list[str]) -> list[str]:
+    lines = [f"  skipped {why}" for why in reasons[:10]]
+    if len(reasons) > 10:
+        lines.append(f"  ... {len(reasons) - 10} more in reports/{dataset}.bad.txt")
+    return lines
 
 
 def print_summary(ledger: Ledger, table: list[status_mod.Row]) -> None:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 ENV_PREFIX = "DATAGEN_"
 CONFIG_ENV = "DATAGEN_CONFIG"
-BUDGET_MEASURES = ("completion", "total")
+BUDGET_MEASURES = ("trainable", "completion", "total")
 REGENERATE_MODES = ("last", "each", "all")
 EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
@@ -80,6 +80,12 @@ class Settings:
     long_concurrency: int = 32  # threads of a `long` worker
     long_max_tokens: int = 16384  # max_new_tokens of long prompts
     context_length: int | None = None  # None: the server's; may lower it, not raise it
+    # Off: every request may generate to its queue's cap, past what trains (for another
+    # trainer or a later, longer window).
+    cap_to_window: bool = True  # max_new_tokens <= what train_max_length leaves after the prompt
+    # With cap_to_window: a prompt leaving fewer positions in the window is never sent
+    # (reports/<dataset>.bad.txt says why).
+    min_trainable_tokens: int = 64  # fewest generated tokens a sample must have room for
     sampling_params: dict[str, Any] = field(  # SGLang sampling_params besides max_new_tokens
         default_factory=lambda: {"temperature": 0.7, "top_p": 0.95}
     )
@@ -87,7 +93,9 @@ class Settings:
     # Budgets.
     token_budget: int = 10_000_000  # default budget of every dataset, in tokens
     budgets: dict[str, int] = field(default_factory=dict)  # per-dataset overrides
-    budget_counts: str = "completion"  # what counts: "completion" or "total" (+ prompt)
+    # "trainable": the generated tokens inside train_max_length (what SpecForge trains on);
+    # "completion": every generated token; "total": completion + prompt.
+    budget_counts: str = "trainable"  # what counts: "trainable", "completion" or "total"
     max_samples: int | None = None  # also close a dataset after this many samples
     keep_truncated: bool = True  # keep responses cut at max_new_tokens (else dead-letter)
     abort_on_close: bool = False  # a close aborts each in-flight request by its exact rid
@@ -173,8 +181,9 @@ class Settings:
         for name, budget in self.budgets.items():
             if not isinstance(budget, int) or budget < 0:
                 raise SettingsError(f"budgets.{name}: {budget!r} must be an integer >= 0")
-        _positive(self, "shard_samples", "train_max_length", "extract_batch_tokens",
-                  "extract_writer_threads", "draft_vocab_size", "vllm_inflight")
+        _positive(self, "min_trainable_tokens", "shard_samples", "train_max_length",
+                  "extract_batch_tokens", "extract_writer_threads", "draft_vocab_size",
+                  "vllm_inflight")
         self._check_extraction()
         for url_field in ("redis_url", "server_url"):
             if "://" not in getattr(self, url_field):

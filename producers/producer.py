@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from celery import Celery
@@ -27,6 +27,7 @@ from datagen.generation.job import Job, PromptStore
 from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.generation.recovery import needs_rebuild, rebuild_dataset
+from datagen.generation.window import cap_share, room
 from datagen.operations.progress import Progress, count_lines
 from datagen.tokenization.chat import ChatEncoder
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
@@ -55,10 +56,18 @@ class DatasetReport:
     skipped: str = ""  # why the whole dataset was skipped
     rebuilt: str = ""  # what was adopted from records on disk
     bad: list[str] = field(default_factory=list)
+    window: list[str] = field(default_factory=list)  # prompts the window leaves no room
+    cap_tokens: int = 0  # the max_new_tokens of the samples enqueued, summed
+    cap_trains: int = 0  # of those, the tokens inside train_max_length
 
     @property
     def bad_count(self) -> int:
         return len(self.bad)
+
+    @property
+    def trains(self) -> float | None:
+        """The share of the enqueued caps that can train (None: nothing enqueued)."""
+        return self.cap_trains / self.cap_tokens if self.cap_tokens else None
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,21 @@ def classify(settings: Settings, prompt_tokens: int, limits: Limits | None) -> P
             return refusal
         max_new = min(max_new, limits.room(prompt_tokens))
     return Plan(queue, max_new)
+
+
+def fit_window(settings: Settings, plan: Plan, fixed: int, turns: int) -> Plan | str:
+    """With cap_to_window, the plan's max_new_tokens capped at what train_max_length leaves
+    after the row's ``fixed`` ids (the prompt, and the template's ids between turns), or why
+    the prompt is not sent: it leaves fewer than min_trainable_tokens (or a turn nothing)."""
+    if not settings.cap_to_window:
+        return plan
+    window = settings.train_max_length
+    left = room(fixed, window)
+    if left < max(settings.min_trainable_tokens, turns):
+        return (f"the window: the prompt ({fixed} tokens) leaves {left} of train_max_length "
+                f"{window} to generate, fewer than min_trainable_tokens "
+                f"{settings.min_trainable_tokens}; not sent")
+    return replace(plan, max_new_tokens=min(plan.max_new_tokens, left))
 
 
 def server_limits(settings: Settings) -> Limits:
@@ -191,9 +215,9 @@ class Producer:
             progress.close()
         self._write_bad_report(report)
         log.info("%s: %d enqueued (%d short, %d long) in %.1fs; %d done before, %d already "
-                 "queued, %d bad", dataset, report.enqueued, report.short, report.long,
-                 time.monotonic() - started, report.already_done, report.already_queued,
-                 report.bad_count)
+                 "queued, %d bad, %d left no room in the window", dataset, report.enqueued,
+                 report.short, report.long, time.monotonic() - started, report.already_done,
+                 report.already_queued, report.bad_count, len(report.window))
         return report
 
     def skip_reason(self, dataset: str) -> str:
@@ -273,14 +297,23 @@ class Producer:
                 continue
             if plan.max_new_tokens < self.settings.queue_limits(plan.queue)[1]:
                 report.clamped += 1
+            fixed = len(ids) + sum(len(between) for between in turn_ids)
+            plan = fit_window(self.settings, plan, fixed, 1 + len(turn_ids))
+            if isinstance(plan, str):
+                report.window.append(f"{prompt.source}: {plan}")
+                continue
             setattr(report, plan.queue, getattr(report, plan.queue) + 1)
             offset = store.add(prompt.sample_id, prompt.dataset, list(prompt.messages), ids,
                                turn_ids, list(prompt.tools) if prompt.tools else None)
-            jobs.append(Job(prompt.dataset, prompt.sample_id, plan.queue, store.relative,
-                            offset, len(ids), plan.max_new_tokens, epoch,
-                            turns=1 + len(turn_ids),
-                            context_length=self.limits.context_length,
-                            max_input_tokens=self.limits.max_input_tokens))
+            job = Job(prompt.dataset, prompt.sample_id, plan.queue, store.relative,
+                      offset, len(ids), plan.max_new_tokens, epoch, turns=1 + len(turn_ids),
+                      context_length=self.limits.context_length,
+                      max_input_tokens=self.limits.max_input_tokens,
+                      window=self.settings.train_max_length if self.settings.cap_to_window
+                      else 0)
+            jobs.append(job)
+            report.cap_tokens += job.sample_cap
+            report.cap_trains += cap_share(fixed, job.sample_cap, self.settings.train_max_length)
         return jobs
 
     def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[Encoded | None]:
@@ -324,11 +357,12 @@ class Producer:
             enqueue(self.app, job, producer=producer)
 
     def _write_bad_report(self, report: DatasetReport) -> None:
-        if not report.bad:
+        lines = report.bad + report.window
+        if not lines:
             return
         path = Path(self.settings.output_dir) / REPORTS_DIR / f"{report.dataset}.bad.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(report.bad) + "\n", encoding="utf-8")
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def _jsonl_files(path: Path) -> list[Path]:

@@ -235,3 +235,19 @@ def test_every_virtualenv_holds_the_bytecode_of_what_its_processes_import(venv: 
         env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split()
     source, compiled = map(Path, found)
     assert source.is_file() and compiled.is_file(), f"no bytecode for {source}: {compiled}"
+
+
+def test_bench_window_runs_capped_and_today_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "window.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_window.py", "--budget", "8000", "--prompts", "30",
+         "--windows", "2048", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    capped, today = rows["capped"], rows["today"]
+    # both closed on the trainable budget; the capped arm generated only what trains
+    assert capped["trainable"] >= 8000 and today["trainable"] >= 8000
+    assert capped["generated_server"] == capped["trainable"] and capped["caps_inside_window"] == 1
+    assert today["generated_server"] > today["trainable"]
+    assert "| 2,048 | capped |" in result.stdout

@@ -105,6 +105,62 @@ def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
     assert all(p.alive() for p in stack.procs)
 
 
+WINDOW = 200  # train_max_length of the window tests: prompts of ~15 ids, responses ~300
+
+
+def test_a_trainable_budget_counts_only_what_the_window_keeps_and_closes_on_it(
+        stack: Stack) -> None:
+    # Given: responses that run past a 200-token window (cap_to_window off), the budget in
+    # trainable tokens
+    stack.start_simulator("--mean-output-tokens", str(MEAN_RESPONSE_TOKENS), "--sigma", "1.0",
+                          "--decode-step-s", "0.002", "--max-running-requests", "64")
+    settings = stack.configure(data_dir=str(partition(stack.tmp, {"B1": 200})),
+                               short_concurrency=24, short_max_tokens=SHORT_MAX_TOKENS,
+                               token_budget=4000, budget_counts="trainable",
+                               train_max_length=WINDOW, cap_to_window=False)
+    stack.worker("short")
+    stack.wait_workers(1)
+    # When: the dataset runs to its budget
+    ledger = produce_and_wait(stack, settings)
+    # Then: each sample counted its generated tokens inside the window, the budget closed
+    # on that count within the goal, and the generated total is kept beside it
+    snap = ledger.snapshot("B1")
+    done = records(settings, "B1")
+    inside = [min(r["completion_tokens"], WINDOW - r["prompt_tokens"]) for r in done]
+    assert [r["trainable_tokens"] for r in done] == inside
+    assert snap["closed"] == "budget" and snap["tokens"] == sum(inside)
+    assert 0 <= snap["tokens"] - 4000 <= allowed_overshoot(4000, WINDOW, 0.0)
+    assert snap["stats"]["completion_tokens"] == sum(r["completion_tokens"] for r in done)
+    assert snap["stats"]["completion_tokens"] > snap["tokens"]
+
+
+def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -> None:
+    # Given: the window capped (the default), a prompt longer than the window among others
+    stack.start_simulator("--mean-output-tokens", str(MEAN_RESPONSE_TOKENS), "--sigma", "1.0",
+                          "--decode-step-s", "0.002", "--max-running-requests", "64")
+    data = partition(stack.tmp, {"B1": 30})
+    with open(data / "B1.jsonl", "a") as fh:
+        fh.write(json.dumps({"id": "long", "prompt": " ".join(["w"] * 400)}) + "\n")
+    settings = stack.configure(data_dir=str(data), short_concurrency=24,
+                               short_max_tokens=SHORT_MAX_TOKENS, token_budget=10**9,
+                               train_max_length=WINDOW)
+    stack.worker("short")
+    stack.wait_workers(1)
+    # When: every prompt runs
+    ledger = produce_and_wait(stack, settings)
+    # Then: every row fits the window, so every generated token counts, and the long
+    # prompt was never sent
+    done = records(settings, "B1")
+    assert len(done) == 30 and all(r["id"] != "long" for r in done)
+    assert all(r["prompt_tokens"] + r["completion_tokens"] <= WINDOW for r in done)
+    assert any(r["truncated"] for r in done)  # some would have run past it
+    assert all(r["trainable_tokens"] == r["completion_tokens"] for r in done)
+    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in done)
+    starts = [e for e in stack.sim_log() if e["event"] == "start"]
+    assert len(starts) == 30 and max(e["prompt_tokens"] for e in starts) < WINDOW
+    assert "min_trainable_tokens" in (stack.tmp / "out" / "reports" / "B1.bad.txt").read_text()
+
+
 def peak_running_before(log: list[dict[str, Any]], dataset: str, responses: int) -> int:
     """The most requests of the dataset the server ran at once before its
     ``responses``-th response finished (the simulator's own log)."""

@@ -380,3 +380,26 @@ def test_estimate_counts_only_what_prepare_keeps_under_train_max_length(
     assert "the prepared training set (after train_max_length 150" in after
     for text in (before, after):
         assert f"{kept:,} tokens x" in text, text
+
+
+def test_estimate_shows_generated_and_trainable_tokens_with_both_phases_hours(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    # Given: records of 105-240 tokens on disk and a window of 150
+    out = tmp_path / "out"
+    synthetic_records(out, 300, 40)
+    records = [json.loads(x) for x in (out / "records/B1/w.jsonl").read_text().splitlines()]
+    generated = sum(len(r["output_ids"]) for r in records)
+    trains = sum(min(len(r["output_ids"]), 150 - len(r["prompt_ids"])) for r in records)
+    assert trains < generated
+    for name, value in (("REDIS_URL", "redis://127.0.0.1:9/0"), ("OUTPUT_DIR", str(out)),
+                        ("TRAIN_MAX_LENGTH", "150")):
+        monkeypatch.setenv(f"DATAGEN_{name}", value)
+    # When: estimate is given the generation servers' rate as well
+    assert main(["estimate", "--hidden-size", "64", "--num-layers", "8", "--tokens-per-s",
+                 "1000", "--generate-tokens-per-s", "100", "--generate-gpus", "8"]) == 0
+    text = capsys.readouterr().out
+    # Then: both counts, and the GPU hours of generation and of extraction
+    total = next(line for line in text.splitlines()[::-1] if line.startswith("total"))
+    assert total.split()[1:3] == [f"{generated:,}", f"{trains:,}"]
+    assert f"generation GPU h = {generated:,} generated / 100 tokens/s per server x 8" in text
+    assert "extraction GPU h = " in text

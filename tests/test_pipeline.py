@@ -72,7 +72,8 @@ def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stac
     part, prompts = make_partition(stack.tmp)
     settings = stack.configure(data_dir=str(part),
                                long_threshold_tokens=400, short_concurrency=8,
-                               long_concurrency=2, short_max_tokens=128, long_max_tokens=256)
+                               long_concurrency=2, short_max_tokens=128, long_max_tokens=256,
+                               train_max_length=4096)  # the long prompt (~2,100 ids) fits
     stack.worker("short")
     stack.worker("long")
     stack.wait_workers(2)

@@ -54,14 +54,15 @@ class Entry:
     prompt_len: int | None  # len(prompt_ids), None when it is not a list
     output_len: int | None
     truncated: bool
+    trainable_tokens: Any = None  # the record's count inside the training window
 
     def rank(self) -> Rank:
         return self.id, self.rid, self.time
 
-    def counted_tokens(self, measure: str) -> int | None:
+    def counted_tokens(self, measure: str, window: int = 0) -> int | None:
         """As ``records.counted_tokens`` of the record."""
         return tokens_counted(self.completion_tokens, self.output_len, self.prompt_tokens,
-                              self.prompt_len, measure)
+                              self.prompt_len, measure, self.trainable_tokens, window)
 
     def is_current(self) -> bool:
         """As ``records.is_current`` of the record."""
@@ -81,7 +82,8 @@ def entry(record: Mapping[str, Any], path: str, offset: int, raw: bytes,
     return Entry(str(record["id"]), record.get("rid"), record.get("time", 0), path, offset,
                  len(raw), verbatim, record.get("prompt_tokens"),
                  record.get("completion_tokens"), list_len(record.get("prompt_ids")),
-                 list_len(record.get("output_ids")), bool(record.get("truncated")))
+                 list_len(record.get("output_ids")), bool(record.get("truncated")),
+                 record.get("trainable_tokens"))
 
 
 def iter_index(dataset_dir: Path, check_verbatim: bool = False) -> Iterator[Entry | Problem]:

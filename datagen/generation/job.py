@@ -38,6 +38,10 @@ class Job:
     turns: int = 1
     context_length: int = 0
     max_input_tokens: int = 0
+    # cap_to_window: the row (prompt, every turn, the template's ids between) must fit in
+    # this many tokens (train_max_length); the worker shares what is left among the turns
+    # still to come. 0: not capped.
+    window: int = 0
 
     def payload(self) -> dict[str, Any]:
         # Spelled out: dataclasses.asdict deep-copies and costs ~10x more per message.
@@ -45,7 +49,7 @@ class Job:
                 "prompt_file": self.prompt_file, "offset": self.offset,
                 "prompt_tokens": self.prompt_tokens, "max_new_tokens": self.max_new_tokens,
                 "epoch": self.epoch, "turns": self.turns, "context_length": self.context_length,
-                "max_input_tokens": self.max_input_tokens}
+                "max_input_tokens": self.max_input_tokens, "window": self.window}
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> Job:
@@ -66,7 +70,8 @@ class Job:
     @property
     def sample_cap(self) -> int:
         """The most tokens the whole sample may generate: what admission reserves."""
-        return self.max_new_tokens * self.turns
+        cap = self.max_new_tokens * self.turns
+        return min(cap, max(1, self.window - self.prompt_tokens)) if self.window else cap
 
 
 @dataclass(frozen=True)

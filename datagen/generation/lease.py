@@ -111,9 +111,11 @@ class Lease:
         self._ended = False
 
     def commit(self, prompt_tokens: int, completion_tokens: int, truncated: bool,
-               latency_s: float, server: str = "", held: bool = False) -> Commit:
+               latency_s: float, server: str = "", held: bool = False,
+               trainable_tokens: int | None = None) -> Commit:
         result = self.book.ledger.commit(self.dataset, self.sample, self.rid, prompt_tokens,
-                                         completion_tokens, truncated, latency_s, server, held)
+                                         completion_tokens, truncated, latency_s, server, held,
+                                         trainable_tokens)
         if not result.lost:
             self._end()
             self.woken += result.woken

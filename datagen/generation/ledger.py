@@ -177,12 +177,17 @@ class Ledger:
 
     def commit(self, dataset: str, sample: str, rid: str, prompt_tokens: int,
                completion_tokens: int, truncated: bool, latency_s: float,
-               server: str = "", held: bool = False) -> Commit:
+               server: str = "", held: bool = False,
+               trainable_tokens: int | None = None) -> Commit:
         """Count a stored record. ``held``: only while ``rid`` still holds the sample's
-        in-flight entry (captured states: see commit.lua); else ``Commit.lapsed``."""
+        in-flight entry (captured states: see commit.lua); else ``Commit.lapsed``.
+        ``trainable_tokens``: the generated tokens inside train_max_length, what
+        budget_counts = "trainable" counts (None: all of them)."""
         counted = completion_tokens
         if self.settings.budget_counts == "total":
             counted += prompt_tokens
+        elif self.settings.budget_counts == "trainable" and trainable_tokens is not None:
+            counted = trainable_tokens
         ks = [keys.RUN] + [self.k(dataset, p) for p in (
             keys.DONE, keys.STATS, keys.INFLIGHT, keys.PENDING, keys.LENGTHS, keys.CLOSED)] + [
             keys.BUDGETS] + [self.k(dataset, p) for p in (

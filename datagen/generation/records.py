@@ -135,21 +135,32 @@ def _parse(raw: bytes, path: Path, number: int) -> dict[str, Any] | Problem:
     return record
 
 
-def counted_tokens(record: Mapping[str, Any], measure: str) -> int | None:
-    """The tokens a record counts against the budget, or None when unknown (old format)."""
+def counted_tokens(record: Mapping[str, Any], measure: str, window: int = 0) -> int | None:
+    """The tokens a record counts against the budget, or None when unknown (old format);
+    ``window``: train_max_length, for a "trainable" count of a record that does not hold one."""
     return tokens_counted(record.get("completion_tokens"), list_len(record.get("output_ids")),
                           record.get("prompt_tokens"), list_len(record.get("prompt_ids")),
-                          measure)
+                          measure, record.get("trainable_tokens"), window)
 
 
 def tokens_counted(completion: Any, output_len: int | None, prompt: Any,
-                   prompt_len: int | None, measure: str) -> int | None:
+                   prompt_len: int | None, measure: str, trainable: Any = None,
+                   window: int = 0) -> int | None:
     """``counted_tokens`` from a record's fields and the lengths of its id lists (None: the
     record has no such list), so that an index of records counts exactly like the records."""
     if completion is None:
         completion = output_len
     if completion is None:
         return None
+    if measure == "trainable":
+        if trainable is not None:
+            return int(trainable)
+        # A record from before the count was stored: one turn after its prompt; one that
+        # cannot be placed in the window (no prompt length) counts as it always did.
+        prompt = prompt_len if prompt_len is not None else prompt
+        if prompt is None or not window:
+            return int(completion)
+        return min(int(completion), max(0, window - int(prompt)))
     if measure == "total":
         if prompt is None:
             prompt = prompt_len

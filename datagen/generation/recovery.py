@@ -92,7 +92,8 @@ def _counted(ledger: Ledger, ix: RecordIndex, rows: np.ndarray, out: Rebuilt,
             e = entry(record, path, offset, b"", False)
             if not e.is_current():
                 out.old_format += 1
-            counted = e.counted_tokens(ledger.settings.budget_counts)
+            counted = e.counted_tokens(ledger.settings.budget_counts,
+                                       ledger.settings.train_max_length)
             if counted is None:
                 out.unknown_tokens += 1
                 completions.append(-1)

@@ -32,6 +32,7 @@ from datagen.generation.lease import Lease, LeaseBook
 from datagen.generation.ledger import REDIS_AWAY, Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter
 from datagen.generation.turns import Stopped, generate_turns
+from datagen.generation.window import trainable
 from datagen.servers import capture
 
 log = logging.getLogger(__name__)
@@ -89,13 +90,30 @@ def admit(ctx: Context, job: Job, rid: str) -> Admission:
     ledger is away or being rebuilt (no run marker), wait for it."""
     def attempt() -> Admission:
         adm = ctx.ledger.admit(job.dataset, job.sample, rid, ctx.worker_id, job.prompt_tokens,
-                               job.sample_cap, precise=ctx.precise,
+                               counted_cap(ctx.settings, job), precise=ctx.precise,
                                server=ctx.client.base_url)
         if adm.status == "lost":
             raise LedgerUnavailable("the ledger lost its state (no run marker); admission "
                                     "waits for it to be rebuilt from the records")
         return adm
     return _until_ledger(attempt, f"admission of {job.dataset}/{job.sample}")
+
+
+def counted_cap(settings: Settings, job: Job) -> int:
+    """The most the sample can count against its budget: its cap, and with budget_counts
+    "trainable" no more than the window leaves after its prompt (what admission reserves)."""
+    if settings.budget_counts != "trainable":
+        return job.sample_cap
+    return min(job.sample_cap, max(1, settings.train_max_length - job.prompt_tokens))
+
+
+def trained_tokens(settings: Settings, prompt: Prompt, gen: Generation,
+                   turns: list[dict[str, Any]] | None = None) -> int:
+    """The sample's generated tokens inside train_max_length (``window.trainable``)."""
+    n_prompt = len(prompt.prompt_ids)
+    spans = [t["span"] for t in turns] if turns else ()
+    return trainable(n_prompt, n_prompt + len(gen.output_ids), settings.train_max_length,
+                     settings.extract_overlong, spans)
 
 
 def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
@@ -138,6 +156,8 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
         "output_ids": gen.output_ids, "finish_reason": gen.finish_reason,
         "prompt_tokens": gen.prompt_tokens or len(prompt.prompt_ids),
         "completion_tokens": gen.completion_tokens, "truncated": gen.truncated,
+        "trainable_tokens": trained_tokens(ctx.settings, prompt, gen,
+                                           (extra or {}).get("turns")),
         "server": ctx.client.base_url, "worker": ctx.worker_id,
         "host": socket.gethostname(), "time": time.time(), "latency_s": gen.latency_s,
         **({"tools": prompt.tools} if prompt.tools else {}),
@@ -145,13 +165,17 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
     })
 
 
-def commit(ctx: Context, job: Job, prompt: Prompt, lease: Lease, gen: Generation) -> Outcome:
+def commit(ctx: Context, job: Job, prompt: Prompt, lease: Lease, gen: Generation,
+           turns: list[dict[str, Any]] | None = None) -> Outcome:
     """Count the stored record. While Redis is away, or has lost its state and is not yet
     rebuilt, keep trying: the record is safe on disk, and counted once either way."""
+    trained = trained_tokens(ctx.settings, prompt, gen, turns)
+
     def attempt() -> Commit:
         result = lease.commit(gen.prompt_tokens or len(prompt.prompt_ids),
                               gen.completion_tokens, gen.truncated, gen.latency_s,
-                              ctx.client.base_url, held=ctx.settings.capture_states)
+                              ctx.client.base_url, held=ctx.settings.capture_states,
+                              trainable_tokens=trained)
         if result.lost:
             raise LedgerUnavailable("the ledger lost its state (no run marker); the commit "
                                     "waits for it to be rebuilt from the records")
@@ -276,7 +300,7 @@ def _generate_conversation(ctx: Context, job: Job, prompt: Prompt, lease: Lease)
     gen = result.as_generation()
     whole = replace(prompt, prompt_ids=result.prompt_ids, turn_ids=[])
     persist(ctx, job, whole, lease.rid, gen, {"turns": result.turns})
-    return commit(ctx, job, whole, lease, gen)
+    return commit(ctx, job, whole, lease, gen, result.turns)
 
 
 def _stopped(ctx: Context, job: Job, stop: Stopped) -> Outcome:

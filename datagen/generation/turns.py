@@ -81,6 +81,11 @@ def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
                 return Stopped("context", generated,
                                f"turn {n + 1} of {job.turns}: the conversation's {refusal}")
             max_new = min(max_new, limits.room(len(ids)))
+        if job.window:
+            max_new = min(max_new, window_share(job, prompt, ids, n))
+            if max_new < 1:
+                return Stopped("context", generated, f"turn {n + 1} of {job.turns}: no room "
+                               f"left in the window of {job.window} tokens")
         gen = client.generate(ids, {**params, "max_new_tokens": max_new}, rid,
                               dataset=job.dataset)
         generated += gen.completion_tokens
@@ -94,6 +99,14 @@ def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
                       "completion_tokens": gen.completion_tokens, "latency_s": gen.latency_s})
     assert gen is not None  # job.turns >= 1
     return Conversation(ids, gen, turns)
+
+
+def window_share(job: Job, prompt: Prompt, ids: list[int], n: int) -> int:
+    """Turn n's cap under cap_to_window: what the window leaves after the row so far and the
+    template's ids of the later turns, shared evenly among the turns still to come (what a
+    turn leaves unused goes to the next, so no share is smaller than the first)."""
+    later = sum(len(between) for between in prompt.turn_ids[n:])
+    return (job.window - len(ids) - later) // (job.turns - n)
 
 
 def _between(gen: Generation, between: list[int]) -> list[int]:

@@ -44,6 +44,8 @@ DATASET_GAUGES: list[tuple[str, str, Any]] = [
     ("datagen_tokens", "Tokens committed against the budget (the budget measure).",
      lambda s: s["tokens"]),
     ("datagen_budget_tokens", "The dataset's token budget.", lambda s: s["budget"]),
+    ("datagen_generated_tokens", "Tokens the committed samples generated, inside the "
+     "training window or not.", lambda s: s["stats"].get("completion_tokens", 0)),
     ("datagen_samples", "Samples committed.", lambda s: s["stats"].get("samples", 0)),
     ("datagen_truncated", "Committed samples cut at max_new_tokens.",
      lambda s: s["stats"].get("truncated", 0)),

@@ -31,23 +31,26 @@ class Series:
     dataset: str
     times: list[float]  # wall-clock seconds, ascending
     tokens: list[int]  # cumulative counted tokens after each record
+    generated: int = 0  # every token the counted records generated (beside the budget's unit)
 
 
-def load_series(output_dir: str | Path, measure: str = "completion") -> list[Series]:
-    """Cumulative counted tokens per dataset, from the records under ``output_dir``."""
+def load_series(output_dir: str | Path, measure: str = "completion",
+                window: int = 0) -> list[Series]:
+    """Cumulative counted tokens per dataset, from the records under ``output_dir``;
+    ``window``: train_max_length, for a "trainable" count of records without one."""
     out = []
     for dataset in datasets_on_disk(output_dir):
         chosen, _, _ = canonical(iter_records(records_dir(output_dir, dataset)))
-        points = sorted((float(r["time"]), n) for r in chosen.values()
-                        if r.get("time") is not None
-                        and (n := counted_tokens(r, measure)) is not None)
+        points = sorted((float(r["time"]), n, int(r.get("completion_tokens") or 0))
+                        for r in chosen.values() if r.get("time") is not None
+                        and (n := counted_tokens(r, measure, window)) is not None)
         total, times, tokens = 0, [], []
-        for when, counted in points:
+        for when, counted, _ in points:
             total += counted
             times.append(when)
             tokens.append(total)
         if times:
-            out.append(Series(dataset, times, tokens))
+            out.append(Series(dataset, times, tokens, sum(p[2] for p in points)))
     return out
 
 
@@ -62,9 +65,9 @@ def run_budgets(settings: Settings, datasets: list[str]) -> dict[str, int]:
 
 
 def plot_run(output_dir: str | Path, budgets: Mapping[str, int], out_png: str | Path,
-             measure: str = "completion", title: str | None = None) -> Path:
+             measure: str = "completion", title: str | None = None, window: int = 0) -> Path:
     """Draw every dataset's cumulative tokens with its budget dashed; write a PNG."""
-    series = load_series(output_dir, measure)
+    series = load_series(output_dir, measure, window)
     if not series:
         raise ValueError(f"no records with a time under {Path(output_dir) / 'records'}")
     import matplotlib  # noqa: PLC0415 (optional, heavy)
@@ -120,11 +123,12 @@ def _draw(ax: Any, series: list[Series], budgets: Mapping[str, int], measure: st
 
 
 def _label(s: Series, budget: int | None, ceiling: float) -> str:
+    generated = f", {s.generated:,} generated" if s.generated != s.tokens[-1] else ""
     if not budget:
-        return f"{s.dataset}: {s.tokens[-1]:,}"
+        return f"{s.dataset}: {s.tokens[-1]:,}{generated}"
     note = "" if budget <= ceiling else ", off scale"
     return (f"{s.dataset}: {s.tokens[-1]:,} / {budget:,} budget "
-            f"({100 * s.tokens[-1] / budget:.0f}%{note})")
+            f"({100 * s.tokens[-1] / budget:.0f}%{note}){generated}")
 
 
 def _time_unit(span_s: float) -> tuple[float, str]:

@@ -36,6 +36,7 @@ class Row:
     truncated: int
     tokens_per_s: float | None
     eta_s: float | None
+    generated: int = 0  # every token the committed samples generated (tokens: the budget's)
 
 
 def state_of(snap: dict[str, Any]) -> str:
@@ -72,7 +73,8 @@ def rows(ledger: Ledger) -> list[Row]:
                        int(stats.get("samples", 0)), max(0, snap["pending"] - snap["waiting"]),
                        snap["waiting"], snap["in_flight"],
                        snap["dead"], int(stats.get("revoked", 0)),
-                       int(stats.get("truncated", 0)), rate, eta))
+                       int(stats.get("truncated", 0)), rate, eta,
+                       int(stats.get("completion_tokens", 0))))
     return out
 
 
@@ -109,6 +111,7 @@ COLUMNS = (
     Column("state", lambda r: r.state, numeric=False),
     Column("tokens", lambda r: f"{r.tokens:,}", _sum("tokens")),
     Column("budget", lambda r: f"{r.budget:,}", _sum("budget")),
+    Column("generated", lambda r: f"{r.generated:,}", _sum("generated")),
     Column("remaining", lambda r: f"{r.remaining:,}", _sum("remaining")),
     Column("%", lambda r: f"{r.percent:.1f}%"),
     Column("samples", lambda r: f"{r.samples:,}", _sum("samples")),
@@ -121,7 +124,7 @@ COLUMNS = (
     Column("eta", lambda r: _eta(r.eta_s)),
 )
 # Dropped first, one by one, when the table is wider than the terminal (--json keeps all).
-OPTIONAL = ("remaining", "revoked", "tok/s", "dead", "%", "wait", "eta", "queued")
+OPTIONAL = ("remaining", "revoked", "generated", "tok/s", "dead", "%", "wait", "eta", "queued")
 
 
 def width() -> int:

@@ -71,6 +71,26 @@ def test_total_measure_counts_prompt_tokens(redis_url: str) -> None:
     assert led.snapshot("A")["tokens"] == 100
 
 
+def test_trainable_measure_counts_the_tokens_inside_the_window_beside_the_generated(
+        redis_url: str) -> None:
+    led = Ledger(connect(redis_url), Settings(redis_url=redis_url, budget_counts="trainable",
+                                              token_budget=1000))
+    led.register(["A"])
+    led.mark_run()
+    led.admit("A", "s1", "r1", "w", 1500, 548)
+    first = led.commit("A", "s1", "r1", 1500, 3000, True, 1.0, trainable_tokens=548)
+    assert not first.closed_now
+    led.admit("A", "s2", "r2", "w", 1500, 548)
+    second = led.commit("A", "s2", "r2", 1500, 3000, True, 1.0, trainable_tokens=548)
+    snap = led.snapshot("A")
+    # the budget closes on what trains; the generated total stays beside it
+    assert second.closed_now and snap["tokens"] == 1096
+    assert snap["stats"]["completion_tokens"] == 6000
+    assert led.r.hget(led.k("A", "done"), "s2") == "r2 548"
+    row = status.rows(led)[0]
+    assert (row.tokens, row.generated) == (1096, 6000)
+
+
 def test_max_samples_closes_the_dataset(redis_url: str) -> None:
     led = Ledger(connect(redis_url), Settings(redis_url=redis_url, max_samples=2))
     led.register(["A"])

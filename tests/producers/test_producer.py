@@ -16,7 +16,7 @@ from config.settings import Settings
 from datagen.client import Limits
 from datagen.keys import queue_lists
 from datagen.redis_server import free_port
-from producers.producer import Plan, classify
+from producers.producer import Plan, classify, fit_window
 
 
 def test_classify_by_prompt_length_against_the_threshold() -> None:
@@ -47,6 +47,44 @@ def test_a_prompt_at_or_over_max_req_input_len_is_skipped_with_the_reason() -> N
         assert "fewer than 114" in reason and "max_req_input_len" in reason
 
 
+def test_the_window_caps_max_new_tokens_or_skips_a_prompt_it_leaves_no_room() -> None:
+    s = Settings(train_max_length=2048, min_trainable_tokens=64)
+    assert fit_window(s, Plan("short", 10240), 1075, 1) == Plan("short", 973)
+    assert fit_window(s, Plan("short", 500), 1075, 1) == Plan("short", 500)
+    assert fit_window(s, Plan("short", 10240), 1984, 1) == Plan("short", 64)
+    for fixed in (1985, 2048, 5000):
+        reason = fit_window(s, Plan("long", 16384), fixed, 1)
+        assert isinstance(reason, str) and "min_trainable_tokens 64" in reason
+        assert f"({fixed} tokens)" in reason
+    # off: the whole response, whatever the window
+    off = s.replace(cap_to_window=False)
+    assert fit_window(off, Plan("long", 16384), 5000, 1) == Plan("long", 16384)
+
+
+def test_produce_sends_nothing_the_window_cannot_train_and_says_so(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    # Given: a window of 100 tokens; one prompt far over it, one short
+    long_prompt = " ".join(f"w{i}" for i in range(300))
+    write_jsonl(tmp_path / "partition" / "B1.jsonl", [
+        {"id": "short", "prompt": "question"}, {"id": "too-long", "prompt": long_prompt}])
+    # When: the producer runs
+    result = _produce(tmp_path, redis_url, tokenizer_dir, DATAGEN_TRAIN_MAX_LENGTH="100",
+                      DATAGEN_SHORT_MAX_TOKENS="500", DATAGEN_CONTEXT_LENGTH="4000")
+    # Then: the long prompt is not sent, with its reason in the report (not bad input),
+    # and the short one may generate only what the window leaves after its prompt
+    assert result.returncode == 0, result.stderr
+    report = (tmp_path / "out" / "reports" / "B1.bad.txt").read_text()
+    assert "leaves 0 of train_max_length 100" in report and "min_trainable_tokens" in report
+    assert "1 enqueued, 0 skipped as bad input, 1 for the window" in result.stdout
+    row = next(line for line in result.stdout.splitlines() if line.startswith("B1 "))
+    assert row.split()[-2:] == ["1", "100%"]
+    pending = redis.Redis.from_url(redis_url, decode_responses=True).hgetall(
+        "dg:ds:B1:pending")
+    job = json.loads(pending["short"])
+    assert list(pending) == ["short"] and job["window"] == 100
+    assert job["max_new_tokens"] == 100 - job["prompt_tokens"] < 500
+
+
 def test_nothing_is_enqueued_while_the_context_length_is_unknown(
         tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
     # Given: no server at server_url and no context_length setting
@@ -64,12 +102,13 @@ def test_nothing_is_enqueued_while_the_context_length_is_unknown(
     assert _queued(client) == 0 and client.hlen("dg:ds:B1:pending") == 0
 
 
-def _produce(tmp: Path, redis_url: str, tokenizer_dir: Path, *extra: str
+def _produce(tmp: Path, redis_url: str, tokenizer_dir: Path, *extra: str, **env_extra: str
              ) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, DATAGEN_REDIS_URL=redis_url, DATAGEN_OUTPUT_DIR=str(tmp / "out"),
                DATAGEN_TOKENIZER_PATH=str(tokenizer_dir), DATAGEN_CONTEXT_LENGTH="400",
                DATAGEN_LONG_THRESHOLD_TOKENS="100", DATAGEN_SHORT_MAX_TOKENS="64",
                DATAGEN_LONG_MAX_TOKENS="64")
+    env.update(env_extra)
     return subprocess.run([sys.executable, "-m", "cli.main", "produce", "--data-dir",
                            str(tmp / "partition"), *extra], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)

@@ -15,7 +15,8 @@
 -- KEYS[5] stats hash  KEYS[6] budgets hash  KEYS[7] model string (JSON, see admission.py)
 -- KEYS[8] buckets hash  KEYS[9] leases zset  KEYS[10] parked zset
 -- ARGV[1] dataset  ARGV[2] sample  ARGV[3] rid  ARGV[4] worker (owner id)  ARGV[5] server
--- ARGV[6] prompt tokens  ARGV[7] max_new_tokens  ARGV[8] measure ("completion" | "total")
+-- ARGV[6] prompt tokens  ARGV[7] max_new_tokens (at most what it can count: with the measure
+-- "trainable", what the window leaves)  ARGV[8] measure ("trainable" | "completion" | "total")
 -- ARGV[9] precise admission (1) or naive (0)  ARGV[10] prior tokens per second of a request
 -- ARGV[11] margin in standard deviations (admission_margin_sd)  ARGV[12] default budget
 -- ARGV[13] lease seconds  ARGV[14] prior mean response length

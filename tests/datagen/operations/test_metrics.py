@@ -52,6 +52,7 @@ def test_metrics_give_each_dataset_its_gauges(ledger: Ledger) -> None:
     expected = {
         "datagen_tokens": {"A": 300, "B": 600},
         "datagen_budget_tokens": {"A": 1000, "B": 500},
+        "datagen_generated_tokens": {"A": 300, "B": 600},
         "datagen_samples": {"A": 1, "B": 1},
         "datagen_truncated": {"A": 1, "B": 0},
         "datagen_in_flight": {"A": 1, "B": 0},

@@ -48,6 +48,13 @@ def test_series_count_each_sample_once_in_time_order(run_dir: Path) -> None:
     assert total == {"A": 1080, "B": 230}
 
 
+def test_series_count_trainable_tokens_with_the_generated_total_beside(run_dir: Path) -> None:
+    # the records hold no trainable count: each counts its output up to the window (100 - 10)
+    series = {s.dataset: s for s in load_series(run_dir, measure="trainable", window=100)}
+    assert series["A"].tokens == [90, 180, 270] and series["A"].generated == 1050
+    assert series["B"].tokens == [90, 180] and series["B"].generated == 210
+
+
 def test_plot_writes_a_png(run_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = plot_run(run_dir, {"A": 1000, "B": 100_000}, tmp_path / "pics" / "progress.png")

@@ -50,8 +50,8 @@ TABLE = [_row("A1_code", "running", 4_210_333, 10_000_000),
 def test_the_table_fits_the_terminal_and_drops_optional_columns_first() -> None:
     wide = status.render(TABLE, columns=200)
     assert wide.splitlines()[0].split() == [
-        "dataset", "state", "tokens", "budget", "remaining", "%", "samples", "queued", "wait",
-        "flight", "dead", "revoked", "tok/s", "eta"]
+        "dataset", "state", "tokens", "budget", "generated", "remaining", "%", "samples",
+        "queued", "wait", "flight", "dead", "revoked", "tok/s", "eta"]
     for columns in (100, 80):
         text = status.render(TABLE, columns=columns)
         assert max(map(len, text.splitlines())) <= columns, text
