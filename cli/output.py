@@ -35,6 +35,10 @@ def render_produce(reports: list[Any]) -> str:
         for line in (r.rebuilt, r.skipped):
             if line:
                 lines.append(line)
+        if getattr(r, "window_drop", 0) or getattr(r, "window_cut", 0):
+            lines.append(f"{r.dataset}: train_max_length will drop {r.window_drop} of the "
+                         f"samples enqueued (the prompt fills it) and may cut {r.window_cut} "
+                         "(prompt + max_new_tokens past it); cap_to_window is off")
         lines += _skips(r.dataset, r.bad) + _skips(r.dataset, r.window)
     total_bad = sum(r.bad_count for r in reports)
     lines.append(f"{sum(r.enqueued for r in reports)} enqueued, {total_bad} skipped as bad input, "

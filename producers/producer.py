@@ -59,6 +59,10 @@ class DatasetReport:
     window: list[str] = field(default_factory=list)  # prompts the window leaves no room
     cap_tokens: int = 0  # the max_new_tokens of the samples enqueued, summed
     cap_trains: int = 0  # of those, the tokens inside train_max_length
+    # enqueued with cap_to_window off: prompts train_max_length leaves nothing to train (prepare
+    # will drop them), and prompts whose cap reaches past it (prepare may cut them)
+    window_drop: int = 0
+    window_cut: int = 0
 
     @property
     def bad_count(self) -> int:
@@ -314,6 +318,9 @@ class Producer:
             jobs.append(job)
             report.cap_tokens += job.sample_cap
             report.cap_trains += cap_share(fixed, job.sample_cap, self.settings.train_max_length)
+            report.window_drop += fixed + 1 >= self.settings.train_max_length
+            report.window_cut += fixed + 1 < self.settings.train_max_length < \
+                fixed + job.sample_cap
         return jobs
 
     def _encode(self, prompts: list[Prompt], report: DatasetReport) -> list[Encoded | None]:

@@ -85,6 +85,24 @@ def test_produce_sends_nothing_the_window_cannot_train_and_says_so(
     assert job["max_new_tokens"] == 100 - job["prompt_tokens"] < 500
 
 
+def test_with_the_cap_off_produce_says_what_the_window_will_drop_and_cut(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    # Given: the same window of 100 tokens, cap_to_window off: three prompts, one longer
+    # than the window, two short whose 500-token caps reach past it
+    long_prompt = " ".join(f"w{i}" for i in range(300))
+    write_jsonl(tmp_path / "partition" / "B1.jsonl", [
+        {"id": "a", "prompt": "question"}, {"id": "b", "prompt": "another question"},
+        {"id": "too-long", "prompt": long_prompt}])
+    result = _produce(tmp_path, redis_url, tokenizer_dir, DATAGEN_TRAIN_MAX_LENGTH="100",
+                      DATAGEN_CAP_TO_WINDOW="false", DATAGEN_SHORT_MAX_TOKENS="500",
+                      DATAGEN_LONG_MAX_TOKENS="500", DATAGEN_CONTEXT_LENGTH="4000")
+    # Then: all three are sent, and before anything runs the table says what prepare will do
+    assert result.returncode == 0, result.stderr
+    assert "3 enqueued" in result.stdout
+    assert ("B1: train_max_length will drop 1 of the samples enqueued (the prompt fills it) "
+            "and may cut 2 (prompt + max_new_tokens past it)") in result.stdout
+
+
 def test_nothing_is_enqueued_while_the_context_length_is_unknown(
         tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
     # Given: no server at server_url and no context_length setting
