@@ -130,7 +130,7 @@ def volume_path(compose: Compose, name: str) -> Path:
 def test_scaled_deployment_stores_every_sample_once(project: Compose) -> None:
     compose, env = project, project.env
     flower = Flower(env["FLOWER_PORT"], env["FLOWER_BASIC_AUTH"])
-    compose.run("build", "sglang", timeout_s=BUILD_TIMEOUT_S)  # the image every service runs
+    compose.run("build", "worker-short", timeout_s=BUILD_TIMEOUT_S)  # the project image
 
     # Given: the stack up, Flower first, then three short workers instead of one
     compose.run("up", "-d", timeout_s=STEP_TIMEOUT_S)
