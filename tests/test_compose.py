@@ -1,7 +1,8 @@
 """compose.yaml and compose.sim.yaml: a real deployment, kept in step with the CLI and settings.
 
-`docker compose config` validates both files where the Compose plugin exists; everywhere
-the files are read with PyYAML and checked against what the code expects.
+`docker compose config` validates both files where the Compose plugin exists, and
+podman-compose (`make podman`) must read them as Docker Compose does; everywhere the files are
+read with PyYAML and checked against what the code expects. test_compose_run.py runs them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from podman_compose import SIM_FILES, Compose, base_env, skip_or_fail, tool_missing
 
 from cli.main import _parser
 from config.settings import load_settings
@@ -170,6 +172,39 @@ def test_docker_compose_accepts_the_files(files: list[Path]) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.fixture(scope="module")
+def podman_config() -> dict[str, dict[str, Any]]:
+    """What podman-compose makes of the real files and of the simulator setup."""
+    if reason := tool_missing():
+        skip_or_fail(reason)
+    out = {}
+    for name, files in (("real", ("compose.yaml",)), ("sim", SIM_FILES)):
+        compose = Compose("datagen", base_env(**REQUIRED), files)
+        done = compose.run("--profile", "tools", "--profile", "extract", "config", timeout_s=60)
+        out[name] = yaml.safe_load(done.stdout)["services"]
+    return out
+
+
+def test_podman_compose_reads_the_files_as_docker_compose_does(
+        podman_config: dict[str, dict[str, Any]], sim: dict[str, Any]) -> None:
+    real, merged = podman_config["real"], podman_config["sim"]
+    assert set(real) == set(merged) == set(load(COMPOSE)["services"])
+    # The GPU services, which only run on a GPU machine, are read whole
+    assert real["sglang"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+    assert real["worker-gpu"]["build"]["args"] in ({"EXTRAS": "extract"}, ["EXTRAS=extract"])
+    # !reset drops, !override replaces, volumes merge by target
+    sglang = merged["sglang"]
+    assert not {"deploy", "volumes", "ulimits"} & set(sglang)
+    assert sglang["healthcheck"]["test"] == sim["sglang"]["healthcheck"]["test"].value
+    assert "deploy" not in merged["worker-gpu"]
+    for name in ("producer", "worker-gpu"):
+        targets = [v.split(":")[1] for v in merged[name]["volumes"]]
+        assert len(targets) == len(set(targets)), merged[name]["volumes"]
+        assert "no-model:/model:ro" in merged[name]["volumes"], name
+    assert merged["producer"]["environment"]["DATAGEN_TOKENIZER_PATH"] == \
+        "/opt/datagen/tiny-tokenizer"
+
+
 # -- the real deployment ------------------------------------------------------------------
 
 
@@ -319,7 +354,10 @@ def test_sim_override_replaces_sglang_by_the_simulator(base: dict[str, Any], sim
     assert (args.vocab_size, args.eos_token_id) == (encoder.vocab_size, encoder.eos_token_id)
     assert environment(sim["producer"])["DATAGEN_TOKENIZER_PATH"] in (
         REPO / "Dockerfile").read_text(encoding="utf-8")
-    assert "/health" in " ".join(sglang["healthcheck"]["test"])
+    test = sglang["healthcheck"]["test"]
+    # Replaced, not appended to compose.yaml's (podman-compose appends a list it merges)
+    assert isinstance(test, Tagged) and test.tag == "!override"
+    assert "/health" in " ".join(test.value)
 
 
 def test_sim_override_drops_every_gpu_reservation(base: dict[str, Any],
@@ -333,10 +371,23 @@ def test_sim_override_drops_every_gpu_reservation(base: dict[str, Any],
         assert not gpu_devices(service), name
 
 
+def merged_mounts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, str]:
+    """target -> source after Compose's merge: by target path, or none under !reset."""
+    volumes = over.get("volumes", [])
+    if isinstance(volumes, Tagged) and volumes.tag == "!reset":
+        return {}
+    return {**mounts(base, {}), **mounts(over, {})}
+
+
 def test_sim_override_needs_no_model_folder(base: dict[str, Any], sim: dict[str, Any]) -> None:
+    declared = load(SIM)["volumes"]
     for name in ("sglang", "producer", "worker-gpu"):
-        assert isinstance(sim[name]["volumes"], Tagged), name
-        assert "/model" not in mounts(sim[name], {}), name
+        source = merged_mounts(base[name], sim[name]).get("/model")
+        # No host folder: nothing at /model, or an empty named volume in its place
+        assert source is None or source in declared, (name, source)
+    # The producer still gets the partition, the output and the settings
+    assert set(merged_mounts(base["producer"], sim["producer"])) == {
+        "/etc/datagen/settings.toml", "/data/output", "/data/partition", "/model"}
 
 
 def test_image_copies_only_what_exists_and_is_not_ignored() -> None:
