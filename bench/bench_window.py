@@ -39,7 +39,8 @@ from config.settings import load_settings  # noqa: E402
 from datagen.celery_app import make_app  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
-from datagen.tokenization.tokenizer import ChatEncoder, build_tiny_tokenizer  # noqa: E402
+from datagen.tokenization.chat import ChatEncoder  # noqa: E402
+from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
 from producers.producer import Producer  # noqa: E402
 
 DATASET = "B1_window"

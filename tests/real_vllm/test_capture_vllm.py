@@ -180,7 +180,9 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
         assert path.name == f"{rec['rid']}.safetensors"
     assert not list((run_dir / "states" / "B1_cap").glob("*.lock"))  # the workers removed them
     ledger = Ledger.from_settings(settings)
-    assert ledger.snapshot("B1_cap")["tokens"] == sum(r["completion_tokens"] for r in recs)
+    # budget_counts = "trainable": each sample counted with its tokens inside the window
+    assert ledger.snapshot("B1_cap")["tokens"] == sum(r["trainable_tokens"] for r in recs)
+    assert sum(r["trainable_tokens"] for r in recs) < sum(r["completion_tokens"] for r in recs)
     # a lost attempt's file (no record names it, nothing in flight) in the states folder
     orphan = run_dir / "states" / "B1_cap" / "orphan.safetensors"
     orphan.write_bytes(b"not states")
