@@ -53,14 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
 )
 
-from datagen.extraction.state_copy import (
-    SafetensorsSink,
-    Sink,
-    StateCopier,
-    StateLayout,
-    TorchSink,
-    release_lock,
-)
+from datagen.extraction.state_copy import StateCopier, StateLayout
+from datagen.extraction.state_sink import SafetensorsSink, Sink, TorchSink, release_lock
 from datagen.servers.capture import engine_refusal
 
 log = logging.getLogger("datagen.vllm_connector")

@@ -18,13 +18,11 @@ import torch
 from safetensors.torch import save_file
 
 from datagen.extraction.files import save_atomic
-from datagen.extraction.state_copy import (
+from datagen.extraction.state_copy import StateCopier, StateLayout, rms_norm
+from datagen.extraction.state_sink import (
     SafetensorsSink,
-    StateCopier,
-    StateLayout,
     TorchSink,
     release_lock,
-    rms_norm,
     write_failure,
 )
 from datagen.servers import capture

@@ -120,7 +120,7 @@ def test_a_full_disk_under_the_connector_is_a_storage_error_not_a_lost_engine(
     from types import SimpleNamespace
 
     from datagen.extraction.backends.vllm import VLLMBackend
-    from datagen.extraction.state_copy import release_lock, write_failure
+    from datagen.extraction.state_sink import release_lock, write_failure
 
     backend = VLLMBackend.__new__(VLLMBackend)
     backend.read_timeout_s = 5.0
