@@ -251,3 +251,22 @@ def test_bench_window_runs_capped_and_today_side_by_side(tmp_path: Path) -> None
     assert capped["generated_server"] == capped["trainable"] and capped["caps_inside_window"] == 1
     assert today["generated_server"] > today["trainable"]
     assert "| 2,048 | capped |" in result.stdout
+
+
+def test_bench_state_copy_measures_both_copy_paths_and_they_write_the_same_bytes(
+        tmp_path: Path) -> None:
+    out = tmp_path / "state_copy.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_state_copy.py", "--hidden", "64", "--cases", "1x64,6x256",
+         "--chunk-tokens", "32", "--buffers", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["bytes_per_position"] == 4 * 64 * 2
+    rows = {r["case"]: r for r in data["cases"]}
+    assert set(rows) == {"1x64", "6x256"} and rows["6x256"]["tokens"] == 1536
+    for row in rows.values():
+        assert row["same_bytes"]
+        assert row["before"]["host_peak_mb"] >= 0 and row["after"]["host_peak_mb"] >= 0
+        assert row["after"]["pool_mb"] == round(2 * 2 * 4 * 16 * 64 * 2 / 2**20, 1)
+    assert "| requests ending together |" in result.stdout

@@ -22,10 +22,15 @@ under a temp name, fsynced and renamed (files.save_atomic), at the absolute
 ``<file>.lock`` (flock LOCK_EX) exists before the answer reaches the client and is released
 when the write ended, written or not: the client waits on it, then checks the file.
 
-Only tensor-parallel rank 0 writes. On CUDA the rows are copied on a side stream into pinned
-memory and the norm and write run in writer threads, so the forward never waits on the disk
-(vLLM's example connector does the same); on the CPU the rows are cloned in the engine's step
-and written by the same threads. Everything else is vLLM's ``ExampleHiddenStatesConnector``.
+Only tensor-parallel rank 0 writes. The copy and the write are datagen/extraction/
+state_copy.py's, on plain tensors: each ended request's blocks go to the host a chunk at a
+time (``copy_chunk_tokens``, default 512) through ``host_buffers`` (default 8) buffers, pinned
+on CUDA, and writer threads (``num_writer_threads``) write each chunk in place. A request is
+reported finished to vLLM (its blocks freed) only once all its chunks are on the host: when
+the writers fall behind, ended requests keep their blocks and the scheduler waits for them
+(``has_pending_block_frees``) instead of the GPU or the host taking more memory. A write that
+fails (a full disk) fails that file alone: its lock holds the reason (``capture.
+write_failure`` reads it: the folder and its free space) and the engine goes on.
 
 ``CaptureConnector`` (below) is the generation server's sibling for ``capture_states``: the
 same rows, norm and atomic write, for generate requests that name a file under
@@ -44,27 +49,18 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
     PendingSave,
-    extract_from_kv_cache,
 )
 
-from datagen.extraction.files import save_atomic
+from datagen.extraction.state_copy import StateCopier, StateLayout
+from datagen.extraction.state_sink import SafetensorsSink, Sink, TorchSink, release_lock
 from datagen.servers.capture import engine_refusal
 
 log = logging.getLogger("datagen.vllm_connector")
 
 NORM_KEYS = ("model.norm.weight", "language_model.model.norm.weight")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class _Copied:
-    """The CPU path's stand-in for a CUDA event: the rows are already on the host."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
 
 
 def final_norm_weight(model_path: str) -> torch.Tensor:
@@ -83,13 +79,6 @@ def final_norm_weight(model_path: str) -> torch.Tensor:
             if key in fh.keys():
                 return fh.get_tensor(key)
     raise KeyError(f"{model_path}: none of {list(NORM_KEYS)} in the checkpoint")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm / DeepseekV3RMSNorm, in the same order of operations."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(weight.dtype)
 
 
 def loss_mask(spans: list[list[int]], n: int) -> torch.Tensor:
@@ -113,7 +102,11 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         self._model_path = vllm_config.model_config.model
         self._eps = float(vllm_config.model_config.hf_text_config.rms_norm_eps)
         self._norm: torch.Tensor | None = None  # rank 0's worker loads it with the caches
-        self._spans: dict[str, list[list[int]]] = {}  # scheduler side, by request id
+        self._copy = (int(extra("copy_chunk_tokens", 512)), int(extra("host_buffers", 8)),
+                      int(extra("assembly_bytes", 2 << 30)))
+        self._copier: StateCopier | None = None  # rank 0's worker, with the caches
+        self._released: set[str] = set()  # worker side: on the host, not yet reported
+        self._held: set[str] = set()  # scheduler side: blocks kept until get_finished says
 
     # -- scheduler side ------------------------------------------------------------------
 
@@ -131,14 +124,31 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         if pending is not None:
             spans = (request.kv_transfer_params or {}).get("loss_spans") or []
             pending.loss_spans = [list(map(int, s)) for s in spans]  # travels to the worker
+        if delay:
+            self._held.add(request.request_id)
         return delay, params
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._held.difference_update(connector_output.finished_sending or ())
+
+    def has_pending_block_frees(self) -> bool:
+        """While ended requests keep their blocks (the writers behind), a request that finds
+        no free block waits for them instead of preempting a running one."""
+        return bool(self._held)
 
     # -- worker side ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        if self._is_tp_rank_zero:
-            self._norm = final_norm_weight(self._model_path).to(self._dtype)
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        self._norm = final_norm_weight(self._model_path).to(self._dtype)
+        chunk_tokens, buffers, assembly = self._copy
+        layout = StateLayout(tuple(self._slots), self._norm, self._eps, self._dtype)
+        self._copier = StateCopier(self._kv_cache, layout, self._executor,
+                                   chunk_blocks=max(1, chunk_tokens // self._block_size),
+                                   host_buffers=buffers, assembly_bytes=assembly)
 
     def _inside_root(self, filename: str) -> bool:
         return Path(filename).resolve().is_relative_to(self._root)
@@ -146,7 +156,7 @@ class DatagenConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:
             return
-        assert self._kv_cache is not None
+        assert self._copier is not None
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None:
             os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
@@ -156,57 +166,44 @@ class DatagenConnector(ExampleHiddenStatesConnector):
             log.error("request %s: %s is outside %s; nothing written", pending.req_id,
                       pending.filename, self._root)
             os.close(lock_fd)
+            self._released.add(pending.req_id)  # its blocks were held for nothing
             return
-        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
-        slots = (torch.arange(self._block_size, dtype=torch.long)[None, :]
-                 + blocks[:, None] * self._block_size).flatten()
+        sink = self._sink(pending, self._copier.layout.widths(self._copier.cache.shape[-1]))
+        self._copier.submit(pending.req_id, pending.block_ids, int(pending.token_ids.shape[0]),
+                            sink, lambda job, error, fd=lock_fd: release_lock(fd, error))
+
+    def _sink(self, pending: PendingSave, widths: tuple[int, int]) -> Sink:
         n = int(pending.token_ids.shape[0])
-        if self._kv_cache.is_cuda:
-            event, rows = self._copy_to_host(slots, n)
-        else:
-            event, rows = _Copied(), extract_from_kv_cache(self._kv_cache, slots, n).clone()
-        job = self._executor.submit(self._write_sample, rows, event, pending.token_ids.clone(),
-                                    getattr(pending, "loss_spans", []), pending.filename,
-                                    lock_fd)
-        self._req_copy_events[pending.req_id] = event
-        self._req_futures[pending.req_id] = job
-        job.add_done_callback(lambda f, rid=pending.req_id: self._on_write_done(rid, f))
+        return TorchSink(Path(pending.filename), pending.token_ids.clone(),
+                         loss_mask(getattr(pending, "loss_spans", []), n), widths, self._dtype)
 
-    def _copy_to_host(self, slots: torch.Tensor, n: int) -> tuple[Any, torch.Tensor]:
-        """CUDA only: the rows into pinned memory on a side stream; the event marks the end."""
-        stream = self._get_copy_stream()
-        ready = torch.cuda.Event()
-        ready.record()
-        stream.wait_event(ready)
-        with torch.cuda.stream(stream):
-            rows = extract_from_kv_cache(self._kv_cache,
-                                         slots.to(self._kv_cache.device, non_blocking=True), n)
-            host = torch.empty_like(rows, device="cpu", pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done, host
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Submit the requests that ended, copy what the host buffers allow, and report the
+        requests now on the host (their blocks freed); the others keep their blocks."""
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, ExampleHiddenStatesConnectorMetadata):
+                for pending in meta.pending_saves:
+                    self._submit_async_write(pending)
+        if self._copier is not None:
+            from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
-    def _states(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows [L, ids, H] -> (aux [L, 3H] in the file's order, post-norm final [L, H])."""
-        assert self._norm is not None
-        n, hidden = rows.shape[0], rows.shape[2]
-        aux_slots, last = self._slots[:-1], self._slots[-1]
-        aux = rows[:, aux_slots, :].reshape(n, len(aux_slots) * hidden).to(self._dtype)
-        return aux.contiguous(), rms_norm(rows[:, last, :], self._norm, self._eps).contiguous()
-
-    def _write_sample(self, rows: torch.Tensor, event: Any, token_ids: torch.Tensor,
-                      spans: list[list[int]], filename: str, lock_fd: int) -> None:
-        """A writer thread: rows [L, ids, H] -> the SpecForge file; the lock goes either way."""
-        try:
-            event.synchronize()
-            aux, final = self._states(rows)
-            n = aux.shape[0]
-            save_atomic(Path(filename), {
-                "input_ids": token_ids.to(torch.int64), "loss_mask": loss_mask(spans, n),
-                "aux_hidden_state": aux.unsqueeze(0), "hidden_state": final.unsqueeze(0)})
-        finally:
-            os.close(lock_fd)
+            with gpu_sync_allowed():
+                self._released |= self._copier.pump()
+        self._accumulated_finished_req_ids.update(finished_req_ids)
+        done: set[str] = set()
+        for req_id in list(self._accumulated_finished_req_ids):
+            if self._copier is not None and self._copier.busy(req_id):
+                continue
+            self._accumulated_finished_req_ids.discard(req_id)
+            if req_id in self._released:
+                self._released.discard(req_id)
+                done.add(req_id)
+            lock_fd = self._lock_fds.pop(req_id, None)  # an aborted request's
+            if lock_fd is not None:
+                os.close(lock_fd)
+        return done or None, None
 
 
 def _refusal(vllm_config: Any) -> str | None:
@@ -263,15 +260,6 @@ class CaptureConnector(DatagenConnector):
                 return bool((extra.get("kv_transfer_params") or {}).get("hidden_states_path"))
         return False
 
-    def _write_sample(self, rows: torch.Tensor, event: Any, token_ids: torch.Tensor,
-                      spans: list[list[int]], filename: str, lock_fd: int) -> None:
-        from safetensors.torch import save_file
-
-        try:
-            event.synchronize()
-            aux, final = self._states(rows)
-            save_atomic(Path(filename), {"input_ids": token_ids.to(torch.int64).contiguous(),
-                                         "aux_hidden_state": aux, "hidden_state": final},
-                        save=lambda tensors, path: save_file(tensors, str(path), self._meta))
-        finally:
-            os.close(lock_fd)
+    def _sink(self, pending: PendingSave, widths: tuple[int, int]) -> Sink:
+        return SafetensorsSink(Path(pending.filename), pending.token_ids.clone(), widths,
+                               self._dtype, self._meta)

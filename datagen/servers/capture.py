@@ -41,6 +41,7 @@ LOCK_POLL_S = 0.01
 KEYS = ("input_ids", "aux_hidden_state", "hidden_state")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
 MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
+FAILED = "error "  # a lock whose write failed holds "error <errno> <reason>" (the connector's)
 
 
 class CaptureMismatch(ValueError):
@@ -209,7 +210,8 @@ def check_file(path: Path, ids: Sequence[int],
     every key, consistent shapes, the whole size, the same ids, and (when given) the run's
     aux layers in its metadata. Returns the file's size."""
     if not path.is_file():
-        raise CaptureMismatch(f"{path.name}: not written")
+        failed = write_failure(path)
+        raise CaptureMismatch(f"{path.name}: not written" + (f" ({failed})" if failed else ""))
     head = read_header(path)
     missing = [k for k in KEYS if k not in head.tensors]
     if missing:
@@ -304,6 +306,19 @@ def prune(output_dir: str | Path, dataset: str, kept: Callable[[], Container[str
             continue
         files, size = files + 1, size + gone
     return files, size
+
+
+def write_failure(path: Path) -> OSError | None:
+    """The error the connector left in ``<path>.lock`` when its write of ``path`` failed (a
+    full disk: the folder and its free space), None when it left none."""
+    try:
+        text = Path(f"{path}.lock").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    code, _, reason = text.removeprefix(FAILED).partition(" ")
+    if not text.startswith(FAILED) or not code.isdigit():
+        return None
+    return OSError(int(code), reason.strip())
 
 
 def remove(path: Path) -> None:

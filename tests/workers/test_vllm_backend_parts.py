@@ -109,3 +109,31 @@ def test_a_write_that_never_ends_is_an_engine_lost_after_the_read_timeout(tmp_pa
             backend._wait_written(path)
     finally:
         os.close(held)
+
+
+def test_a_full_disk_under_the_connector_is_a_storage_error_not_a_lost_engine(
+        tmp_path) -> None:
+    # Given: a running engine whose connector's write of a file failed on a full disk: the
+    # lock released with the error in it, no file
+    import errno
+    import os
+    from types import SimpleNamespace
+
+    from datagen.extraction.backends.vllm import VLLMBackend
+    from datagen.extraction.state_sink import release_lock, write_failure
+
+    backend = VLLMBackend.__new__(VLLMBackend)
+    backend.read_timeout_s = 5.0
+    backend.server = SimpleNamespace(alive=lambda: True, proc=None, log_path="vllm.log")
+    path = tmp_path / "data_0.ckpt"
+    lock = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    release_lock(lock, write_failure(path, OSError(errno.ENOSPC, "full"), 100))
+
+    # When: the backend waits for it
+    failed = backend._wait_written(path)
+
+    # Then: the connector's error comes back (the extractor fails the shard as a storage
+    # error and keeps the engine), naming the folder and its free space; the lock is gone
+    assert isinstance(failed, OSError) and failed.errno == errno.ENOSPC
+    assert f"under {tmp_path} (" in str(failed) and "bytes free" in str(failed)
+    assert not os.path.exists(f"{path}.lock")

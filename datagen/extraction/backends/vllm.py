@@ -23,7 +23,10 @@ is one prefill-only request (``max_tokens`` 1) of its exact token ids; up to
 The answer comes before the file is written: ``<file>.lock`` is held (flock) until the write
 ended, so the client waits on it, then checks that the file is there. An engine that stopped
 (connection refused, 5xx, a lock released with no file) ends the shard with ``EngineLost``:
-its written samples stay done and the shard is retried with a new engine.
+its written samples stay done and the shard is retried with a new engine. A write the
+connector could not finish (a full disk) is not the engine's: its lock names the error (the
+folder and its free space), raised as that OSError, and the shard fails as a storage error
+with the engine kept.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 
 from datagen.errors import EngineLost
 from datagen.extraction.backends.base import set_shape, text_config
-from datagen.servers.capture import text_only, vllm_capture
+from datagen.servers.capture import text_only, vllm_capture, write_failure
 from datagen.servers.launch import LAUNCHER, engine_env, free_port, stop_group
 
 log = logging.getLogger(__name__)
@@ -218,19 +221,22 @@ class VLLMBackend:
             raise self._lost(f"HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code != 200:  # the engine refused this sample (too long, bad ids)
             raise ValueError(f"vLLM answered {resp.status_code}: {resp.text[:300]}")
-        self._wait_written(path)
+        failed = self._wait_written(path)
         if not path.is_file():
+            if failed is not None:  # the connector's disk, not the engine: the engine stays
+                raise failed
             raise self._lost(f"vLLM answered but wrote no {path.name}")
         return path.stat().st_size
 
-    def _wait_written(self, path: Path) -> None:
+    def _wait_written(self, path: Path) -> OSError | None:
         """Until the connector released the file's lock, or its engine stopped; EngineLost
-        when it holds the lock past ``read_timeout_s`` (a writer that never ends)."""
+        when it holds the lock past ``read_timeout_s`` (a writer that never ends). The
+        error the connector left in the lock when its write failed (a full disk), if any."""
         lock = Path(f"{path}.lock")
         try:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
-            return  # nothing was ever locked: the caller finds no file
+            return None  # nothing was ever locked: the caller finds no file
         deadline = time.monotonic() + self.read_timeout_s
         try:
             while True:
@@ -246,7 +252,9 @@ class VLLMBackend:
                     time.sleep(LOCK_POLL_S)
         finally:
             os.close(fd)
+        failed = write_failure(path)
         lock.unlink(missing_ok=True)
+        return failed
 
     def _lost(self, why: str) -> EngineLost:
         state = "running" if self.server.alive() else f"exited ({self.server.proc.returncode})"
