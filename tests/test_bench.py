@@ -235,3 +235,16 @@ def test_every_virtualenv_holds_the_bytecode_of_what_its_processes_import(venv: 
         env=env, capture_output=True, text=True, timeout=120, check=True).stdout.split()
     source, compiled = map(Path, found)
     assert source.is_file() and compiled.is_file(), f"no bytecode for {source}: {compiled}"
+
+
+def test_bench_state_check_times_the_check_per_sample(tmp_path: Path) -> None:
+    out = tmp_path / "state_check.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_state_check.py", "--shapes", "tiny", "--positions", "4,8",
+         "--repeats", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["positions"]) for r in rows] == [("tiny", 4), ("tiny", 8)]
+    assert all(r["median_s"] > 0 and r["gflop"] > 0 for r in rows)
+    assert "| tiny (512 x 128) | cpu | 8 |" in result.stdout
