@@ -58,6 +58,12 @@ class Settings:
     # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.
     capture_states: bool = False  # states captured in the generation pass (vLLM only)
     capture_timeout_s: float = 600.0  # wait for a captured file after the answer
+    # Each record keeps the vLLM server's log-probability of every sampled token; extraction
+    # checks the sample's final states against them (log_softmax(lm_head(state)) at the
+    # token) and dead-letters a sample whose gap is past the tolerance (DESIGN.md).
+    check_states: bool = True  # ask vLLM for the sampled logprobs and check every sample
+    check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
+    check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
@@ -219,6 +225,9 @@ class Settings:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if self.check_positions_cpu < 0 or self.check_atol_nats <= 0:
+            raise SettingsError(f"check_positions_cpu {self.check_positions_cpu!r} must be "
+                                f">= 0 and check_atol_nats {self.check_atol_nats!r} > 0")
         if self.vllm_start_timeout_s <= 0:
             raise SettingsError(f"vllm_start_timeout_s: {self.vllm_start_timeout_s!r} must be > 0")
         if self.replica_timeout_s <= 0:

@@ -141,12 +141,14 @@ class SGLangClient:
         return sess
 
     def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
-                 dataset: str | None = None, extra: Mapping[str, Any] | None = None
-                 ) -> Generation:
+                 dataset: str | None = None, extra: Mapping[str, Any] | None = None,
+                 logprobs: bool = False) -> Generation:
         """One generate call; raises ServerUnavailable (retryable) or BadRequest. ``extra``
-        goes into the body as it is (vLLM's ``kv_transfer_params`` with capture_states)."""
+        goes into the body as it is (vLLM's ``kv_transfer_params`` with capture_states);
+        ``logprobs``: the sampled tokens' log-probabilities where the kind gives them."""
         kind = self.kind
-        path, body = kind.generate_path, kind.generate_body(input_ids, sampling_params, rid)
+        path = kind.generate_path
+        body = kind.generate_body(input_ids, sampling_params, rid, logprobs)
         body.update(extra or {})
         headers = dict(self._headers, **{DATASET_HEADER: dataset}) if dataset else self._headers
         started = time.monotonic()

@@ -131,7 +131,21 @@ def finish(reason: dict, eos_token_id: int) -> tuple[str, int | str | None]:
     return reason["type"], None  # "length" or "abort"
 
 
-def result_body(req: SimRequest, config: SimulatorConfig) -> dict:
+def logprobs_body(ids: list[int], asked: object) -> dict | None:
+    """``choices[0].logprobs`` for ``sampling_params.logprobs`` (None: not asked): one entry
+    per output id, ``top_logprobs`` holding the sampled token alone, as vLLM answers 0 (what
+    the pipeline asks; more is not emulated). No model here: made-up values below 0."""
+    if asked is None:
+        return None
+    content = []
+    for i, token in enumerate(ids):
+        entry = {"token_id": token, "logprob": -0.5 - (token % 7) / 10 - (i % 3) / 100,
+                 "rank": 1}
+        content.append({**entry, "top_logprobs": [entry]})
+    return {"content": content}
+
+
+def result_body(req: SimRequest, config: SimulatorConfig, logprobs: object = None) -> dict:
     count = req.decoded
     reason, stop_reason = finish(req.finish_reason or {"type": "abort"}, config.eos_token_id)
     return {
@@ -147,7 +161,7 @@ def result_body(req: SimRequest, config: SimulatorConfig) -> dict:
                      "token_ids": req.plan.ids[:count], "routed_experts": None,
                      "sampling_mask": None,
                      "weight_versions": [{"version": "default", "start": 0, "end": count}],
-                     "logprobs": None}],
+                     "logprobs": logprobs_body(req.plan.ids[:count], logprobs)}],
     }
 
 
@@ -177,7 +191,8 @@ def handle_generate(out: Responder, app: App, raw: bytes) -> None:
         reject(out, app, err, rid_hint, dataset)
         return
     req.done.wait()  # the engine stops by finishing every request
-    out.send_json(HTTPStatus.OK, result_body(req, app.config))
+    out.send_json(HTTPStatus.OK, result_body(req, app.config,
+                                             payload["sampling_params"].get("logprobs")))
 
 
 def handle_abort(out: Responder, app: App, raw: bytes) -> None:

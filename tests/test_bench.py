@@ -270,3 +270,16 @@ def test_bench_state_copy_measures_both_copy_paths_and_they_write_the_same_bytes
         assert row["before"]["host_peak_mb"] >= 0 and row["after"]["host_peak_mb"] >= 0
         assert row["after"]["pool_mb"] == round(2 * 2 * 4 * 16 * 64 * 2 / 2**20, 1)
     assert "| requests ending together |" in result.stdout
+
+
+def test_bench_state_check_times_the_check_per_sample(tmp_path: Path) -> None:
+    out = tmp_path / "state_check.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_state_check.py", "--shapes", "tiny", "--positions", "4,8",
+         "--repeats", "2", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["positions"]) for r in rows] == [("tiny", 4), ("tiny", 8)]
+    assert all(r["median_s"] > 0 and r["gflop"] > 0 for r in rows)
+    assert "| tiny (512 x 128) | cpu | 8 |" in result.stdout

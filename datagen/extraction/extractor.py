@@ -52,6 +52,12 @@ from datagen.extraction.files import (
     sample_tensors,
     save_atomic,
 )
+from datagen.extraction.integrity import (
+    Checked,
+    CheckTally,
+    StateCheck,
+    StateCheckFailed,
+)
 from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
 from datagen.training import vocab_mapping as vm
@@ -84,6 +90,9 @@ class ExtractionConfig:
     backend: str = "hf"          # backends.NAMES
     engine: EngineOptions = field(default_factory=EngineOptions)  # the `vllm` backend's
     run_dir: str = ""            # the run's output_dir: what a shard line's `states` is under
+    check_states: bool = True    # final states against the record's logprobs (integrity.py)
+    check_positions_cpu: int = 32  # positions per sample on a CPU; all on a GPU; 0: all
+    check_atol_nats: float = 0.01
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
@@ -119,6 +128,7 @@ class ShardResult:
     seconds: float = 0.0
     failures: list[SampleFailure] = field(default_factory=list)
     overlong_ids: list[str] = field(default_factory=list)
+    check: CheckTally = field(default_factory=CheckTally)  # the state check of this run
 
 
 @dataclass
@@ -129,6 +139,7 @@ class _ShardRun:
     manifest: Manifest | None = None
     pending: list[tuple[Sample, Future]] = field(default_factory=list)
     kept: list[tuple[str, Sample]] = field(default_factory=list)  # (file, sample) on disk
+    checks: list[Checked] = field(default_factory=list)  # state checks passed (list: atomic)
     total: int = 0
     handled: int = 0
 
@@ -160,6 +171,7 @@ class Extractor:
             cfg.resolved_pack_tokens())
         self.staging = None if self.writes_files else HostStaging(
             self.device, backend.width, self.dtype, max(cfg.batch_tokens, cfg.max_length))
+        self.state_check = self._state_check(backend)
         if self.writes_files:
             self.writer = AsyncWriter(backend.inflight, backend.inflight)
         else:
@@ -167,6 +179,27 @@ class Extractor:
         log.info("extractor ready (%s): H=%d, aux layers %s of %d, %s on %s, pack_tokens=%d",
                  cfg.backend, self.hidden_size, list(self.aux_layer_ids), backend.num_layers,
                  cfg.dtype, self.device, self.pack_tokens)
+
+    def _state_check(self, backend: Any) -> StateCheck | None:
+        """The check of each sample's final states against its record's logprobs, run on
+        this extractor's device (an engine backend's rows are read back from its file)."""
+        cfg = self.cfg
+        if not cfg.check_states:
+            return None
+        model = getattr(backend, "model", None)
+        head = model.get_output_embeddings() if model is not None else None
+        if head is not None:
+            return StateCheck(head.weight.detach(), self.device, cfg.check_atol_nats,
+                              cfg.check_positions_cpu)
+        return StateCheck.for_model(cfg.model_path, self.device, cfg.check_atol_nats,
+                                    cfg.check_positions_cpu)
+
+    def check(self, s: Sample, final: torch.Tensor) -> Checked | None:
+        """``final`` [n, H] of sample ``s`` against its logprobs; StateCheckFailed past the
+        tolerance. None when the check is off."""
+        if self.state_check is None:
+            return None
+        return self.state_check.check(s, final)
 
     def metadata(self) -> dict[str, Any]:
         """What the files are (written to <extraction_dir>/extraction.json)."""
@@ -368,21 +401,31 @@ class Extractor:
             final[0].copy_(part[:, split:])
         finally:
             countdown.done()
+        checked = self.check(s, final[0])
         rel = relative_path(s.idx)
         size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final))
-        assert run.manifest is not None
-        run.manifest.append({"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
-                             "tokens": s.length})
+        self._record(run, s, rel, checked)
         return size
+
+    @staticmethod
+    def _record(run: _ShardRun, s: Sample, rel: str, checked: Checked | None) -> None:
+        """The sample's manifest line, with what its state check measured."""
+        entry: dict[str, Any] = {"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
+                                 "tokens": s.length}
+        if checked is not None:
+            entry.update(checked=checked.positions, gap=round(checked.gap, 6))
+            run.checks.append(checked)
+        assert run.manifest is not None
+        run.manifest.append(entry)
 
     def _engine_sample(self, s: Sample, run: _ShardRun) -> int:
         """Runs in a request thread: the engine (or the captured file's reader) writes the
         file, then it is recorded."""
         rel = relative_path(s.idx)
-        size = self.runner.extract(s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel)
-        assert run.manifest is not None
-        run.manifest.append({"idx": s.idx, "id": s.id, "dataset": s.dataset, "path": rel,
-                             "tokens": s.length})
+        found: list[Checked | None] = []
+        size = self.runner.extract(s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
+                                   lambda final: found.append(self.check(s, final)))
+        self._record(run, s, rel, found[0] if found else None)
         return size
 
     def _collect(self, run: _ShardRun) -> None:
@@ -402,10 +445,18 @@ class Extractor:
                 run.result.bytes += fut.result()
             elif isinstance(exc, OSError):
                 storage_errors.append(exc)
+            elif isinstance(exc, StateCheckFailed):
+                run.result.check.add(exc.result, failed=True)
+                log.error("sample idx=%d id=%r: %s", s.idx, s.id, exc)
+                run.result.failures.append(SampleFailure(s.idx, s.id,
+                                                         f"state check: {exc}"[:500]))
             else:
                 run.result.failures.append(SampleFailure(s.idx, s.id,
                                                          f"write failed: {exc!r}"[:500]))
         run.pending.clear()
+        for checked in run.checks:
+            run.result.check.add(checked, failed=False)
+        run.checks.clear()
         if lost:  # not the samples' fault: the shard is retried, what was written stays done
             raise lost[0]
         if storage_errors:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from datagen.generation.records import unpack_logprobs
 from datagen.training.handoff import kept_length, loss_mask
 
 ROWS_PER_DIR = 2000
@@ -47,6 +48,10 @@ class Sample:
     # captured: the last output id when the same sample's `hf` row keeps it (its stop token,
     # never an input of the generation pass, so not in input_ids): counted for the vocab
     uncaptured: tuple[int, ...] = ()
+    # the generation server's log-probability of output id i, given the ids before it
+    # (the record's output_logprobs, check_states): what the final state at position
+    # n_prompt - 1 + i must give (datagen/extraction/integrity.py)
+    logprobs: tuple[float, ...] = ()
 
     @property
     def length(self) -> int:
@@ -117,16 +122,30 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     spans = _loss_spans(rec.get("loss_spans"), len(prompt), len(ids))
     if spans is None:
         return Rejected(idx, sid, "loss_spans not ordered [start, end) pairs inside the ids")
+    logprobs = _logprobs(rec.get("output_logprobs"), len(rec["output_ids"]))
+    if logprobs is None:
+        return Rejected(idx, sid, "output_logprobs is not one float32 per output id")
     first = spans[0][0] if spans else len(prompt)
     kept, why = kept_length(first, len(ids), max_length, overlong, spans)
     if not kept:
         return Rejected(idx, sid, why, overlong=True)
     if not captured:
         return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first,
-                      kept < len(ids), spans)
+                      kept < len(ids), spans, logprobs=logprobs)
     as_hf, _ = kept_length(first, len(full), max_length, overlong, spans)
     return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first, kept < len(ids),
-                  spans, rec["states"], tuple(full[kept:as_hf]))
+                  spans, rec["states"], tuple(full[kept:as_hf]), logprobs)
+
+
+def _logprobs(raw: Any, n_output: int) -> tuple[float, ...] | None:
+    """A record's output_logprobs (() when it has none), or None when malformed."""
+    if raw is None:
+        return ()
+    try:
+        values = unpack_logprobs(raw)
+    except (TypeError, ValueError):
+        return None
+    return tuple(values) if len(values) == n_output else None
 
 
 def _loss_spans(raw: Any, n_prompt: int, n_ids: int) -> tuple[tuple[int, int], ...] | None:

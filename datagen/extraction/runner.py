@@ -73,7 +73,9 @@ def extraction_config(settings: Settings) -> Any:
         attn_implementation=settings.extract_attn_implementation,
         trust_remote_code=settings.trust_remote_code,
         writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend,
-        engine=engine, run_dir=settings.output_dir)
+        engine=engine, run_dir=settings.output_dir, check_states=settings.check_states,
+        check_positions_cpu=settings.check_positions_cpu,
+        check_atol_nats=settings.check_atol_nats)
 
 
 def file_sha256(path: Path) -> str:
@@ -105,6 +107,7 @@ def result_entry(result: Any, sha256: str) -> dict[str, Any]:
             "skipped_overlong": result.skipped_overlong, "truncated": result.truncated,
             "failed": len(result.failures), "tokens": result.tokens, "bytes": result.bytes,
             "seconds": round(result.seconds, 3), "overlong_ids": result.overlong_ids[:20],
+            "state_check": result.check.as_dict(),
             "worker": worker_id(), "time": time.time()}
 
 

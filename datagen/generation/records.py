@@ -11,11 +11,13 @@ count without a record. A torn last line (killed mid-write) is skipped when read
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -30,6 +32,21 @@ log = logging.getLogger(__name__)
 RECORD_VERSION = 1
 RECORDS_DIR = "records"
 MERGED_NAME = "raw_responses.jsonl"
+
+
+def pack_logprobs(logprobs: Iterable[float]) -> str:
+    """A record's ``output_logprobs``: little-endian float32, base64 (5.3 characters a
+    token against ~20 for a JSON list)."""
+    values = list(logprobs)
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def unpack_logprobs(text: str) -> list[float]:
+    """``pack_logprobs`` read back; ValueError when it is not such a string."""
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 4:
+        raise ValueError(f"output_logprobs: {len(raw)} bytes is not a float32 array")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 def records_dir(output_dir: str | Path, dataset: str) -> Path:

@@ -30,7 +30,7 @@ from datagen.errors import (
 from datagen.generation.job import Job, Prompt, read_prompt
 from datagen.generation.lease import Lease, LeaseBook
 from datagen.generation.ledger import REDIS_AWAY, Admission, Commit, Ledger, owner_id
-from datagen.generation.records import RECORD_VERSION, RecordWriter
+from datagen.generation.records import RECORD_VERSION, RecordWriter, pack_logprobs
 from datagen.generation.turns import Stopped, generate_turns
 from datagen.generation.window import trainable
 from datagen.servers import capture
@@ -120,7 +120,8 @@ def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
          states: Path | None = None) -> Generation:
     extra = {"kv_transfer_params": capture.request_params(states)} if states else None
     return ctx.client.generate(prompt.prompt_ids, sampling_params(ctx.settings, job), rid,
-                               dataset=job.dataset, extra=extra)
+                               dataset=job.dataset, extra=extra,
+                               logprobs=ctx.settings.check_states)
 
 
 def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
@@ -161,6 +162,9 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
         "server": ctx.client.base_url, "worker": ctx.worker_id,
         "host": socket.gethostname(), "time": time.time(), "latency_s": gen.latency_s,
         **({"tools": prompt.tools} if prompt.tools else {}),
+        # the server's log-probability of each output id (check_states, vLLM): extraction
+        # checks the sample's final states against them
+        **({"output_logprobs": pack_logprobs(gen.logprobs)} if gen.logprobs else {}),
         **(extra or {}),  # "turns" of a multi-turn sample
     })
 

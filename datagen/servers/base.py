@@ -69,6 +69,9 @@ class Generation:
     completion_tokens: int
     latency_s: float
     text: str
+    # the sampled tokens' log-probabilities, one per output id, where they were asked for
+    # (``logprobs=True``) and the kind gives the model's own (vLLM's raw_logprobs)
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -93,10 +96,12 @@ class ServerKind(ABC):
 
     @abstractmethod
     def generate_body(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any],
-                      rid: str) -> dict[str, Any]:
+                      rid: str, logprobs: bool = False) -> dict[str, Any]:
         """The body of one non-streamed generate call; ``sampling_params`` are SGLang's
-        names (the settings' ``sampling_params`` plus ``max_new_tokens``). Raises
-        BadRequest for a parameter this kind cannot take."""
+        names (the settings' ``sampling_params`` plus ``max_new_tokens``). ``logprobs``: ask
+        for the sampled tokens' log-probabilities before any sampling transform, where the
+        kind can give them (a kind that cannot asks for nothing). Raises BadRequest for a
+        parameter this kind cannot take."""
 
     @abstractmethod
     def parse_generation(self, data: Any, latency_s: float) -> Generation:

@@ -31,7 +31,9 @@ class SGLang(ServerKind):
     health_path = "/health_generate"
 
     def generate_body(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any],
-                      rid: str) -> dict[str, Any]:
+                      rid: str, logprobs: bool = False) -> dict[str, Any]:
+        # logprobs are not asked: SGLang 0.5.23 returns them after temperature scaling
+        # (unless SGLANG_RETURN_ORIGINAL_LOGPROB is set on the server), not the model's own
         return {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                 "rid": rid, "stream": False}
 

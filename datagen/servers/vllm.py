@@ -7,14 +7,18 @@ they answer 403 "Scale-out endpoints are disabled", which reaches the dead lette
                                  "sampling_params": {"max_tokens": n, ...}}
       -> {"request_id": "generate-tokens-<rid>", "usage": {"prompt_tokens": n,
           "completion_tokens": m, ...}, "choices": [{"token_ids": [...],
-          "finish_reason": "stop" | "length" | "abort", "stop_reason": id | str | null}]}
+          "finish_reason": "stop" | "length" | "abort", "stop_reason": id | str | null,
+          "logprobs": null | {"content": [{"token_id": id, "logprob": x, ...}, ...]}}]}
     POST /inference/v1/abort_requests {"request_ids": ["generate-tokens-<rid>"]}  (200 always)
 
 vLLM runs the request under ``generate-tokens-<rid>`` (the id the answer names) and an
 abort must name that id exactly. Unknown ``sampling_params`` keys are ignored by vLLM without
 a word, so SGLang's names are translated here and any other is refused (BadRequest) rather
-than silently dropped. Like SGLang, the stop token (EOS or a ``stop_token_ids`` match) is
-the last output id.
+than silently dropped. ``sampling_params.logprobs`` 0 (``logprobs=True``) answers each sampled
+token's log-probability: vLLM's ``logprobs_mode`` default ``raw_logprobs``, the log-softmax of
+the model's logits before temperature, penalties or top-p/top-k (the state check compares
+the captured final states with them); -9999.0 where vLLM had none. Like SGLang, the stop
+token (EOS or a ``stop_token_ids`` match) is the last output id.
 """
 
 from __future__ import annotations
@@ -72,6 +76,17 @@ def finish_reason(reason: Any, stop_reason: Any, output_ids: list[int]) -> dict[
     return {"type": reason, "stop_reason": stop_reason}
 
 
+def sampled_logprobs(logprobs: Any, output_ids: list[int]) -> tuple[float, ...] | None:
+    """``choices[0].logprobs`` as one float per output id; None when not asked. ValueError
+    when they do not name the output's ids (a malformed answer)."""
+    if logprobs is None:
+        return None
+    content = logprobs["content"] or []
+    if [int(c["token_id"]) for c in content] != output_ids:
+        raise ValueError("logprobs.content does not follow the output's token_ids")
+    return tuple(float(c["logprob"]) for c in content)
+
+
 class VLLM(ServerKind):
     name = "vllm"
     generate_path = "/inference/v1/generate"
@@ -79,9 +94,12 @@ class VLLM(ServerKind):
     health_path = "/health"  # 200 while the engine core runs
 
     def generate_body(self, input_ids: Sequence[int], sampling_params_: Mapping[str, Any],
-                      rid: str) -> dict[str, Any]:
+                      rid: str, logprobs: bool = False) -> dict[str, Any]:
+        params = sampling_params(sampling_params_)
+        if logprobs:
+            params["logprobs"] = 0  # the sampled token's only
         return {"request_id": rid, "token_ids": list(input_ids),
-                "sampling_params": sampling_params(sampling_params_), "stream": False}
+                "sampling_params": params, "stream": False}
 
     def parse_generation(self, data: Any, latency_s: float) -> Generation:
         choice = data["choices"][0]
@@ -95,6 +113,7 @@ class VLLM(ServerKind):
             completion_tokens=int(usage.get("completion_tokens", len(output_ids))),
             latency_s=latency_s,
             text="",
+            logprobs=sampled_logprobs(choice.get("logprobs"), output_ids),
         )
 
     def abort_body(self, rid: str) -> dict[str, Any]:

@@ -348,6 +348,8 @@ def _shard_line(idx: int, record: dict[str, Any], digest: Any, out: Path) -> str
         # relative to output_dir, as the record has it: each gpu worker resolves it against
         # its own output_dir (a host may mount the shared folder elsewhere)
         row["states"] = record["states"]
+    if record.get("output_logprobs"):  # check_states: what extraction checks the states by
+        row["output_logprobs"] = record["output_logprobs"]
     line = json.dumps(row, separators=(",", ":"), ensure_ascii=False) + "\n"
     digest.update(line.encode("utf-8"))
     return line

@@ -141,6 +141,23 @@ def test_the_client_generates_on_a_vllm_server(vllm_sim: str, kind: str) -> None
     assert gen.finish_reason == {"type": "length", "length": 8}
 
 
+def test_the_sampled_tokens_logprobs_come_back_one_per_output_id(vllm_sim: str) -> None:
+    # check_states asks vLLM for logprobs 0; SGLang is never asked (its are scaled by the
+    # temperature) and a call that does not ask gets none
+    assert VLLM.generate_body([1], {"max_new_tokens": 2}, "r", logprobs=True)[
+        "sampling_params"]["logprobs"] == 0
+    assert "return_logprob" not in SGLANG.generate_body([1], {}, "r", logprobs=True)
+    client = SGLangClient(vllm_sim, kind="vllm")
+    gen = client.generate([1, 5, 6], {"max_new_tokens": 5}, new_rid("d"), logprobs=True)
+    assert gen.logprobs is not None and len(gen.logprobs) == len(gen.output_ids) == 5
+    assert all(x < 0 for x in gen.logprobs)
+    assert client.generate([1, 5], {"max_new_tokens": 3}, new_rid("d")).logprobs is None
+    with pytest.raises(ValueError, match="does not follow"):
+        VLLM.parse_generation({"choices": [{"token_ids": [3, 4], "finish_reason": "length",
+                                            "logprobs": {"content": [
+                                                {"token_id": 4, "logprob": -1.0}]}}]}, 0.1)
+
+
 def test_an_abort_by_rid_ends_a_vllm_request_in_flight(vllm_sim: str) -> None:
     client, rid, out = SGLangClient(vllm_sim, kind="vllm"), new_rid("d"), {}
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(

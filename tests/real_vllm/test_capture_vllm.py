@@ -39,7 +39,12 @@ from datagen.client import SGLangClient, new_rid
 from datagen.extraction.backends.vllm import EngineOptions
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.generation.ledger import Ledger
-from datagen.generation.records import iter_records, records_dir
+from datagen.generation.records import (
+    iter_records,
+    pack_logprobs,
+    records_dir,
+    unpack_logprobs,
+)
 from datagen.servers import capture
 from datagen.training.training_set import extraction_dir, read_manifest, training_dir
 
@@ -173,7 +178,8 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     run_s = datagen_run(stack)
     recs = list(iter_records(records_dir(settings.output_dir, "B1_cap")))
     assert sorted(r["id"] for r in recs) == sorted(f"s{i}" for i in range(12))
-    for rec in recs:  # every counted sample names its checked file
+    for rec in recs:  # every counted sample names its checked file and has its logprobs
+        assert len(unpack_logprobs(rec["output_logprobs"])) == len(rec["output_ids"])
         path = run_dir / rec["states"]
         assert capture.check_file(path, rec["prompt_ids"] + rec["output_ids"][:-1]) == \
             rec["states_bytes"]
@@ -202,8 +208,15 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     printed = capsys.readouterr().out
     assert "specforge train --config" in printed
 
-    # Then: SpecForge's folder, written from the captured files alone
+    # Then: SpecForge's folder, written from the captured files alone, each checked against
+    # the server's logprobs (check_states is on by default) at 32 positions at most (a CPU)
     folder = extraction_dir(settings)
+    checked = [json.loads(x) for m in (folder / "manifest").glob("*.jsonl")
+               for x in m.read_text().splitlines()]
+    assert len(checked) == 12 and all(0 < e["checked"] <= 32 for e in checked)
+    worst_gap = max(e["gap"] for e in checked)
+    assert worst_gap < 0.01
+    print(f"FIGURE capture run: state check worst gap {worst_gap:.2e} nats (float32)")
     meta = json.loads((folder / "extraction.json").read_text())
     assert meta["backend"] == "captured" and meta["aux_layer_ids"] == list(AUX)
     for name in ("vocab_mapping.pt", "draft_config.json", "specforge_train.json"):
@@ -230,7 +243,9 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     # captured: the last output id was never an input) gives the same files within bf16
     # rounding; measured in float32
     vllm.stop()
-    same = [dict(line, output_ids=by_id[line["id"]]["output_ids"][:-1]) for line in lines]
+    same = [dict(line, output_ids=by_id[line["id"]]["output_ids"][:-1],
+                 output_logprobs=pack_logprobs(unpack_logprobs(line["output_logprobs"])[:-1]))
+            for line in lines]
     for line in same:
         line.pop("states", None)
     shard = write_jsonl(stack.tmp / "same.jsonl", same)
@@ -239,7 +254,9 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
                            backend="vllm",
                            engine=EngineOptions(python=vllm_python(), args="--enforce-eager"))
     with Extractor(cfg) as ex:
-        assert ex.run_shard(shard).written == 12
+        result = ex.run_shard(shard)
+    # the engine's own files pass the same check (against the generation server's logprobs)
+    assert result.written == 12 and result.check.checked == 12 and not result.check.failed
     worst = {"aux_hidden_state": 0.0, "hidden_state": 0.0}
     worst_rel = dict(worst)
     for line in lines:

@@ -202,6 +202,24 @@ def test_a_normal_request(pair: list[Target]) -> None:
     assert real["finish_reason"] == "length" and real["request_id"]
 
 
+def test_a_request_for_the_sampled_tokens_logprobs(pair: list[Target]) -> None:
+    # the state check's request (check_states): sampling_params.logprobs = 0
+    def scenario(t: Target) -> dict:
+        body = t.post({"request_id": rid_of("logprobs"), "token_ids": [1, 5, 6, 7],
+                       "sampling_params": {"max_tokens": 6, "temperature": 0,
+                                           "logprobs": 0}}).json()
+        choice = body["choices"][0]
+        content = choice["logprobs"]["content"]
+        return {**shape(body), "logprobs": sorted(choice["logprobs"]),
+                "entry": sorted(content[0]), "tokens": [c["token_id"] for c in content]
+                == choice["token_ids"], "negative": all(c["logprob"] < 0 for c in content),
+                "top": [[x["token_id"] for x in c["top_logprobs"]] for c in content]
+                == [[c["token_id"]] for c in content]}
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+    assert real["tokens"] and real["negative"] and real["top"]
+
+
 @pytest.mark.parametrize("length, max_tokens", [
     (CONTEXT + 1, 1),  # longer than max_model_len
     (CONTEXT, 1),  # max_model_len: no room for one token

@@ -15,7 +15,7 @@ no committed record names (an aborted, reaped or duplicate attempt's) are never 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +63,16 @@ class CapturedBackend:
         if aux.shape != (n, self.n_aux * self.hidden) or final.shape != (n, self.hidden):
             raise ValueError(f"{path.name}: aux {list(aux.shape)}, final "
                              f"{list(final.shape)}; expected {n} x {self.n_aux} x {self.hidden}")
-        return aux.to(self.dtype).unsqueeze(0), final.to(self.dtype).unsqueeze(0)
+        return aux.to(self.dtype).unsqueeze(0), final.unsqueeze(0)
 
-    def extract(self, sample: Sample, mask: Sequence[int], path: Path) -> int:
+    def extract(self, sample: Sample, mask: Sequence[int], path: Path,
+                check: Callable[[torch.Tensor], Any] | None = None) -> int:
+        """The sample's file; ``check`` (the state check) sees its final states [n, H] as
+        captured, before anything is written."""
         aux, final = self.states(sample)
-        return save_atomic(path, sample_tensors(sample, aux, final))
+        if check is not None:
+            check(final[0])  # in the dtype the server ran (its rounding is what is allowed)
+        return save_atomic(path, sample_tensors(sample, aux, final.to(self.dtype)))
 
     def close(self) -> None:
         pass

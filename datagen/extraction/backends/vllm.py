@@ -42,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,9 +201,11 @@ class VLLMBackend:
             self._local.session = requests.Session()
         return self._local.session
 
-    def extract(self, sample: Any, mask: Sequence[int], path: Path) -> int:
+    def extract(self, sample: Any, mask: Sequence[int], path: Path,
+                check: Callable[[torch.Tensor], Any] | None = None) -> int:
         """One sample (files.Sample) through the engine into ``path``; returns the file's
-        size."""
+        size. ``check`` (the state check) sees the file's final states [n, H] once written;
+        a sample it refuses leaves no file."""
         import requests
 
         ids = sample.input_ids
@@ -226,6 +228,12 @@ class VLLMBackend:
             if failed is not None:  # the connector's disk, not the engine: the engine stays
                 raise failed
             raise self._lost(f"vLLM answered but wrote no {path.name}")
+        if check is not None:
+            try:
+                check(torch.load(path, weights_only=True, mmap=True)["hidden_state"][0])
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
         return path.stat().st_size
 
     def _wait_written(self, path: Path) -> OSError | None:
