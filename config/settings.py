@@ -58,6 +58,10 @@ class Settings:
     # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.
     capture_states: bool = False  # states captured in the generation pass (vLLM only)
     capture_timeout_s: float = 600.0  # wait for a captured file after the answer
+    # The `captured` build frees each captured file once its training row is durable (file
+    # and manifest line written): one copy on disk at the peak, not two. A later build of a
+    # changed training set (prepare --force) cannot rebuild those rows: keep them for that.
+    keep_captured_states: bool = False  # keep states/<dataset>/<rid>.safetensors after the build
     # Each record keeps the vLLM server's log-probability of every sampled token; extraction
     # checks the sample's final states against them (log_softmax(lm_head(state)) at the
     # token) and dead-letters a sample whose gap is past the tolerance (DESIGN.md).

@@ -93,6 +93,7 @@ class ExtractionConfig:
     check_states: bool = True    # final states against the record's logprobs (integrity.py)
     check_positions_cpu: int = 32  # positions per sample on a CPU; all on a GPU; 0: all
     check_atol_nats: float = 0.01
+    keep_captured_states: bool = False  # captured: keep each file its row was built from
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
@@ -336,6 +337,7 @@ class Extractor:
             elif s.key in done and (out_dir / done[s.key]).is_file():
                 res.skipped_done += 1
                 run.kept.append((done[s.key], s))
+                self._recorded(s, done[s.key])  # freed here if a crash came before
             else:
                 res.truncated += s.truncated
                 todo.append(s)
@@ -426,7 +428,15 @@ class Extractor:
         size = self.runner.extract(s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
                                    lambda final: found.append(self.check(s, final)))
         self._record(run, s, rel, found[0] if found else None)
+        self._recorded(s, rel)
         return size
+
+    def _recorded(self, s: Sample, rel: str) -> None:
+        """The row is durable (file fsynced, manifest line written): the backend may free
+        what it was built from (captured: the generation pass's file)."""
+        recorded = getattr(self.runner, "recorded", None)
+        if recorded is not None:
+            recorded(s, rel)
 
     def _collect(self, run: _ShardRun) -> None:
         """Wait for the writers; count successes; disk errors fail the shard (retryable by

@@ -75,7 +75,8 @@ def extraction_config(settings: Settings) -> Any:
         writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend,
         engine=engine, run_dir=settings.output_dir, check_states=settings.check_states,
         check_positions_cpu=settings.check_positions_cpu,
-        check_atol_nats=settings.check_atol_nats)
+        check_atol_nats=settings.check_atol_nats,
+        keep_captured_states=settings.keep_captured_states)
 
 
 def file_sha256(path: Path) -> str:

@@ -34,6 +34,7 @@ from datagen.generation.records import (
     record_rank,
     tokens_counted,
 )
+from datagen.servers import capture
 
 OPEN_FILES = 32  # files a LineReader keeps open: a merge reads every worker's file in turns
 CHOOSE_BATCH = 50_000  # records sharing an id hash read back at once to choose among them
@@ -154,7 +155,11 @@ def build_index(dataset_dir: Path, merging: bool = False,
 
 def _states_gone(output_dir: Path, record: dict[str, Any]) -> bool:
     states = record.get("states")
-    return isinstance(states, str) and not (output_dir / states).is_file()
+    if not isinstance(states, str):
+        return False
+    path = output_dir / states
+    # consumed by the `captured` build (keep_captured_states off): counted, not pruned
+    return not path.is_file() and not capture.built_path(path).is_file()
 
 
 def _add_merge_columns(ix: RecordIndex, sid: str, record: dict[str, Any], raw: bytes) -> None:

@@ -41,6 +41,7 @@ LOCK_POLL_S = 0.01
 KEYS = ("input_ids", "aux_hidden_state", "hidden_state")
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
 MEDIA = ("image", "video", "vision_chunk")  # Kimi-K2.5's media kinds in vLLM
+BUILT = ".built"  # a file the `captured` build consumed (release)
 FAILED = "error "  # a lock whose write failed holds "error <errno> <reason>" (the connector's)
 
 
@@ -319,6 +320,38 @@ def write_failure(path: Path) -> OSError | None:
     if not text.startswith(FAILED) or not code.isdigit():
         return None
     return OSError(int(code), reason.strip())
+
+
+def built_path(path: Path) -> Path:
+    """Where a file the `captured` build consumed leaves its mark (``keep_captured_states``
+    off): ``<rid>.safetensors.built``, naming the training row its states went into. A record
+    whose file is gone but marked still counts (merge, prepare, the ledger's rebuild keep it);
+    only its states live in the training folder now."""
+    return Path(f"{path}{BUILT}")
+
+
+def release(path: Path, row: str) -> int:
+    """Free a captured file whose training row is durable; returns the bytes freed (0: done
+    before). The rename is atomic, so the file or its mark is always there: a crash never
+    leaves a record that looks pruned. The mark is then cut to the row's name."""
+    mark = built_path(path)
+    try:
+        size = path.stat().st_size
+        os.replace(path, mark)
+    except FileNotFoundError:
+        return 0
+    with open(mark, "w", encoding="utf-8") as fh:  # truncates: the space comes back here
+        fh.write(row + "\n")
+    Path(f"{path}.lock").unlink(missing_ok=True)
+    return size
+
+
+def built_row(path: Path) -> str | None:
+    """The training row a consumed file went into, None when it was not consumed."""
+    try:
+        return built_path(path).read_text(encoding="utf-8").strip() or "?"
+    except FileNotFoundError:
+        return None
 
 
 def remove(path: Path) -> None:

@@ -316,15 +316,10 @@ def test_specforge_trains_the_stop_tokens_prediction_in_a_captured_row_too() -> 
     assert trained(6) == [4, 5]
 
 
-def test_shards_name_states_under_the_run_folder_wherever_a_worker_mounts_it(
-        tmp_path: Path) -> None:
-    # Given: a run whose records name their captured states (relative to output_dir)
-    from datagen.training.training_set import prepare as prepare_set
-    from datagen.training.training_set import read_manifest, training_dir
-
-    run = tmp_path / "host-a" / "run"
+def captured_records(run: Path, n: int) -> None:
+    """``n`` committed records of dataset B1 under ``run``, each naming its captured file."""
     recs = []
-    for i in range(3):
+    for i in range(n):
         rel = f"states/B1/r{i}.safetensors"
         write_states(run / rel, [1, 2, 3, 40 + i, 41, 42], seed=i)
         recs.append({"v": 1, "id": f"s{i}", "dataset": "B1", "rid": f"r{i}", "messages": [],
@@ -332,6 +327,16 @@ def test_shards_name_states_under_the_run_folder_wherever_a_worker_mounts_it(
                      "prompt_tokens": 3, "completion_tokens": 4, "truncated": False,
                      "time": 1.0 + i, "states": rel, "states_bytes": 1})
     write_jsonl(run / "records" / "B1" / "h-1.jsonl", recs)
+
+
+def test_shards_name_states_under_the_run_folder_wherever_a_worker_mounts_it(
+        tmp_path: Path) -> None:
+    # Given: a run whose records name their captured states (relative to output_dir)
+    from datagen.training.training_set import prepare as prepare_set
+    from datagen.training.training_set import read_manifest, training_dir
+
+    run = tmp_path / "host-a" / "run"
+    captured_records(run, 3)
     prepare_set(Settings(output_dir=str(run), shard_samples=4), {}, None)
     shard = run / read_manifest(training_dir(run))["shards"][0]["path"]
 

@@ -199,6 +199,8 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     assert not orphan.exists()
     assert sorted(p.name for p in (run_dir / "states" / "B1_cap").iterdir()) == sorted(
         f"{r['rid']}.safetensors" for r in recs)
+    # the captured files, read before the build frees them (keep_captured_states off)
+    captured_by_id = {r["id"]: load(run_dir / r["states"]) for r in recs}
     stack.worker("gpu")
     stack.wait_workers(2)
     started = time.monotonic()
@@ -229,7 +231,11 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     for line in lines:
         rec = by_id[line["id"]]
         got = torch.load(folder / f"rows_0-2000/data_{line['idx']}.ckpt", weights_only=True)
-        captured = load(run_dir / rec["states"])
+        captured = captured_by_id[line["id"]]
+        # freed once its row was written: only its mark, naming the row, is left
+        assert not (run_dir / rec["states"]).exists()
+        assert capture.built_row(run_dir / rec["states"]) == \
+            f"rows_0-2000/data_{line['idx']}.ckpt"
         kept = min(48, len(rec["prompt_ids"]) + len(rec["output_ids"]) - 1)
         assert got["input_ids"].tolist() == captured["input_ids"][:kept].tolist()
         assert got["loss_mask"].tolist() == [0] * len(rec["prompt_ids"]) + [1] * (

@@ -67,9 +67,13 @@ def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass
         every += recs
         assert len({r["id"] for r in recs}) == len(recs) == counted["samples"], dataset
         assert sum(r["completion_tokens"] for r in recs) == counted["tokens"], dataset
-        for rec in recs:
+        for rec in recs:  # the build freed the file of every row it wrote (its mark stays)
             ids = rec["prompt_ids"] + rec["output_ids"][:-1]
-            assert capture.check_file(output / rec["states"], ids) == rec["states_bytes"]
+            path = output / rec["states"]
+            if capture.built_row(path) is None:  # not in the training set (overlong)
+                assert capture.check_file(path, ids) == rec["states_bytes"]
+            else:
+                assert not path.exists()
     # ... the agent trajectories (tools, calls, results) generated on vLLM among them
     assert assert_agent_turns(work, every) == 24
 

@@ -10,21 +10,35 @@ the ids, casts to ``extract_dtype`` and writes ``data_{idx}.ckpt`` through the E
 atomic write, loss mask from the record's prompt/output split; the Extractor keeps everything
 else (shards, resume, manifest, vocab counts, dead letters) as for the other backends. Files
 no committed record names (an aborted, reaped or duplicate attempt's) are never read.
+
+Once a sample's row is durable (its file fsynced and renamed, its manifest line written: what
+resume trusts) the captured file is freed (``recorded``; ``keep_captured_states`` keeps it),
+so the disk holds one copy of the states plus the shard in flight, not two. It leaves a mark
+(capture.release) that keeps the record counted; a later build that needs the file again (a
+changed training set) fails that sample with what to do, never silently.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from datagen.errors import PermanentError
 from datagen.extraction.backends.base import set_shape, text_config
 from datagen.extraction.files import Sample, sample_tensors, save_atomic
+from datagen.servers import capture
 
+log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class StatesReleased(PermanentError):
+    """The captured file was freed by an earlier build: its states are only in that row."""
 
 
 class CapturedBackend:
@@ -36,6 +50,8 @@ class CapturedBackend:
         self.dtype = DTYPES[cfg.dtype]
         self.inflight = cfg.writer_threads
         self.run_dir = Path(cfg.run_dir or ".")
+        self.keep = bool(getattr(cfg, "keep_captured_states", False))
+        self.freed_bytes = 0  # by this process's builds (a count for benches and logs)
 
     def path(self, sample: Sample) -> Path:
         """The sample's file: the shard names it relative to the run's output_dir (an
@@ -50,6 +66,13 @@ class CapturedBackend:
         from safetensors import safe_open
 
         n, path = sample.length, self.path(sample)
+        row = None if path.is_file() else capture.built_row(path)
+        if row is not None:
+            raise StatesReleased(
+                f"{path} was freed after the row {row} of an earlier build was written "
+                "(keep_captured_states = false): finish extraction on that training set and "
+                "keep its folder, or generate the sample again; set keep_captured_states = "
+                "true before a build whose set may still change")
         with safe_open(str(path), framework="pt") as fh:
             aux_ids = json.loads((fh.metadata() or {}).get("aux_layer_ids", "null"))
             if aux_ids != list(self.aux_layer_ids):
@@ -73,6 +96,16 @@ class CapturedBackend:
         if check is not None:
             check(final[0])  # in the dtype the server ran (its rounding is what is allowed)
         return save_atomic(path, sample_tensors(sample, aux, final.to(self.dtype)))
+
+    def recorded(self, sample: Sample, row: str) -> None:
+        """The sample's row is durable (file and manifest line): free its captured file."""
+        if self.keep:
+            return
+        try:
+            self.freed_bytes += capture.release(self.path(sample), row)
+        except OSError as exc:  # the row is done all the same; the next run frees it
+            log.warning("%s: not freed after its row %s was built: %s", self.path(sample),
+                        row, exc)
 
     def close(self) -> None:
         pass
