@@ -200,7 +200,9 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     assert sorted(p.name for p in (run_dir / "states" / "B1_cap").iterdir()) == sorted(
         f"{r['rid']}.safetensors" for r in recs)
     # the captured files, read before the build frees them (keep_captured_states off)
-    captured_by_id = {r["id"]: load(run_dir / r["states"]) for r in recs}
+    # (copied: load_file maps the file, and freeing cuts it)
+    captured_by_id = {r["id"]: {k: v.clone() for k, v in load(run_dir / r["states"]).items()}
+                      for r in recs}
     stack.worker("gpu")
     stack.wait_workers(2)
     started = time.monotonic()
