@@ -58,6 +58,10 @@ class Settings:
     # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.
     capture_states: bool = False  # states captured in the generation pass (vLLM only)
     capture_timeout_s: float = 600.0  # wait for a captured file after the answer
+    # The server creates each file's lock before it answers: a worker that finds neither the
+    # file nor its lock this many times in a row looks in another folder than the server
+    # writes to, and gives the samples up at once (one clear reason) instead of re-running each
+    capture_unseen_limit: int = 8  # files in a row with neither file nor lock: folders differ
     # Each record keeps the vLLM server's log-probability of every sampled token; extraction
     # checks the sample's final states against them (log_softmax(lm_head(state)) at the
     # token) and dead-letters a sample whose gap is past the tolerance (DESIGN.md).
@@ -209,6 +213,9 @@ class Settings:
                                 "'each'")
         if self.capture_timeout_s <= 0:
             raise SettingsError(f"capture_timeout_s: {self.capture_timeout_s!r} must be > 0")
+        if self.capture_unseen_limit < 1:
+            raise SettingsError(f"capture_unseen_limit: {self.capture_unseen_limit!r} must be "
+                                ">= 1")
         n = self.sampling_params.get("n", 1)
         if n != 1:
             raise SettingsError(f"sampling_params.n = {n!r} with capture_states: every child "
