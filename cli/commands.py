@@ -20,6 +20,7 @@ from cli.extraction import (
 from cli.output import merge_all, print_json, print_summary, render_produce
 from config.settings import Settings, settings_fields
 from datagen.celery_app import make_app, worker_argv
+from datagen.extraction import tally
 from datagen.generation.follower import follow
 from datagen.generation.guard import close, enqueue, wait_for_abort_passes
 from datagen.generation.job import Job
@@ -64,6 +65,9 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         ready = handoff.existing(extraction_dir(settings))
         if ready:  # a finished extraction: where to train from
             print(ready)
+        checked = tally.saved(extraction_dir(settings))
+        if checked:
+            print(tally.describe(checked))
         return 0
     follow(ledger, args.interval, until_finished=False)
     return 0

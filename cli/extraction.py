@@ -19,7 +19,7 @@ from config.settings import Settings
 from datagen.celery_app import EXTRACT_TASK, make_app
 from datagen.errors import PermanentError
 from datagen.extraction import ledger as xlm
-from datagen.extraction import runner
+from datagen.extraction import runner, tally
 from datagen.extraction.estimate import (
     DTYPE_BYTES,
     PRESETS,
@@ -269,6 +269,9 @@ def _finished(xl: xlm.ExtractionLedger, shards: list[xlm.ShardState],
           f"{sum(s.samples for s in done):,} samples, {sum(s.tokens for s in done):,} tokens "
           f"in {seconds:.0f}s; {left_out} samples left out by train_max_length; "
           f"{dead_samples} samples and {len(dead)} shards dead-lettered; files under {out}")
+    total = tally.run_total(out)
+    tally.save(out, total)
+    print(tally.describe(total))
     if dead or dead_samples:
         print(f"reasons in {out}/dead_letters.jsonl; `datagen extract` retries dead shards")
         return EXIT_INCOMPLETE

@@ -62,6 +62,10 @@ class Settings:
     # and manifest line written): one copy on disk at the peak, not two. A later build of a
     # changed training set (prepare --force) cannot rebuild those rows: keep them for that.
     keep_captured_states: bool = False  # keep states/<dataset>/<rid>.safetensors after the build
+    # The server creates each file's lock before it answers: a worker that finds neither the
+    # file nor its lock this many times in a row looks in another folder than the server
+    # writes to, and gives the samples up at once (one clear reason) instead of re-running each
+    capture_unseen_limit: int = 8  # files in a row with neither file nor lock: folders differ
     # Each record keeps the vLLM server's log-probability of every sampled token; extraction
     # checks the sample's final states against them (log_softmax(lm_head(state)) at the
     # token) and dead-letters a sample whose gap is past the tolerance (DESIGN.md).
@@ -213,6 +217,9 @@ class Settings:
                                 "'each'")
         if self.capture_timeout_s <= 0:
             raise SettingsError(f"capture_timeout_s: {self.capture_timeout_s!r} must be > 0")
+        if self.capture_unseen_limit < 1:
+            raise SettingsError(f"capture_unseen_limit: {self.capture_unseen_limit!r} must be "
+                                ">= 1")
         n = self.sampling_params.get("n", 1)
         if n != 1:
             raise SettingsError(f"sampling_params.n = {n!r} with capture_states: every child "

@@ -10,7 +10,9 @@
     └── PermanentError        retrying cannot help: dead-letter with the reason
         ├── BadRequest            SGLang answered 400 (over-long input, bad parameter)
         ├── BadInput              a prompt record that cannot be used
-        └── StorageError          the output folder cannot be written
+        ├── StorageError          the output folder cannot be written
+        └── StatesNotShared       the capture server writes its states where this worker
+                                  does not see them (another folder): every sample would fail
 """
 
 
@@ -51,4 +53,8 @@ class BadInput(PermanentError):
 
 
 class StorageError(PermanentError):
+    pass
+
+
+class StatesNotShared(PermanentError):
     pass

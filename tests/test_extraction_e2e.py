@@ -403,3 +403,63 @@ def test_estimate_shows_generated_and_trainable_tokens_with_both_phases_hours(
     assert total.split()[1:3] == [f"{generated:,}", f"{trains:,}"]
     assert f"generation GPU h = {generated:,} generated / 100 tokens/s per server x 8" in text
     assert "extraction GPU h = " in text
+
+
+def records_with_logprobs(out: Path, model_dir: Path, vocab: int, n: int) -> None:
+    """Greedy records of the tiny model with their log-probabilities (transformers in float32
+    standing in for the server); the record of s3 carries another sample's."""
+    from transformers import AutoModelForCausalLM
+
+    from datagen.generation.records import pack_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    recs, lps = [], []
+    for i in range(n):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(4, 10))]
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False)[0].tolist()
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        output = ids[len(prompt):]
+        lps.append([float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(output)])
+        recs.append({"id": f"s{i}", "dataset": "B1", "rid": f"r{i}", "time": float(i),
+                     "messages": [{"role": "user", "content": "q"}], "truncated": False,
+                     "prompt_ids": prompt, "output_ids": output})
+    for i, rec in enumerate(recs):
+        rec["output_logprobs"] = pack_logprobs(lps[4 if i == 3 else i])
+    write_jsonl(out / "records" / "B1" / "w.jsonl", recs)
+
+
+def test_extract_reports_the_runs_state_check_with_one_bad_sample(
+        stack: Stack, model_dir: Path, encoder: Any, monkeypatch: pytest.MonkeyPatch,
+        capsys) -> None:
+    # Given: 8 records with their log-probabilities in 2 shards, s3's being another sample's
+    settings = stack.configure(
+        server_url="http://127.0.0.1:9", model_path=str(model_dir), extract_dtype="float32",
+        shard_samples=4, extract_retry_countdown_s=0.1, check_positions_cpu=6)
+    out = Path(settings.output_dir)
+    records_with_logprobs(out, model_dir, encoder.vocab_size, 8)
+    assert datagen(monkeypatch, stack, "prepare") == 0
+    stack.worker("gpu")
+    stack.wait_workers(1)
+
+    # When: the training set is extracted
+    code = datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s", "600")
+
+    # Then: s3 is dead-lettered by the check; the run's total counts 8 checked, 1 failed and
+    # names s3 as the worst gap, in the final lines, in extraction.json and in `status`
+    assert code == 3
+    text = capsys.readouterr().out
+    folder = extraction_dir(settings)
+    total = json.loads((folder / "extraction.json").read_text())["state_check"]
+    assert total["checked"] == 8 and total["failed"] == 1 and total["unchecked"] == 0
+    assert total["positions"] == 8 * 6 and total["worst_id"] == "s3"
+    assert total["worst_gap"] > 0.01
+    assert "state check: 8 samples checked (48 positions), 1 failed, worst gap" in text
+    assert "id 's3'" in text
+    letters = [json.loads(x) for x in (folder / "dead_letters.jsonl").read_text().splitlines()]
+    assert [(x["id"], x["reason"].split(":")[0]) for x in letters] == [("s3", "state check")]
+    assert letters[0]["gap"] == total["worst_gap"]
+    assert datagen(monkeypatch, stack, "status") == 0
+    assert "state check: 8 samples checked" in capsys.readouterr().out

@@ -115,6 +115,7 @@ class SampleFailure:
     idx: int | None
     id: str
     reason: str
+    check: Checked | None = None  # a failed state check: what it measured
 
 
 @dataclass
@@ -459,7 +460,8 @@ class Extractor:
                 run.result.check.add(exc.result, failed=True)
                 log.error("sample idx=%d id=%r: %s", s.idx, s.id, exc)
                 run.result.failures.append(SampleFailure(s.idx, s.id,
-                                                         f"state check: {exc}"[:500]))
+                                                         f"state check: {exc}"[:500],
+                                                         exc.result))
             else:
                 run.result.failures.append(SampleFailure(s.idx, s.id,
                                                          f"write failed: {exc!r}"[:500]))

@@ -25,11 +25,11 @@ from datagen import keys
 from datagen.celery_app import EXTRACT_TASK
 from datagen.errors import BadInput
 from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger
+from datagen.extraction.tally import DEAD_LETTERS
 from datagen.training.training_set import extraction_dir
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTERS = "dead_letters.jsonl"  # in the extraction folder, one JSON line per failure
 
 
 Send = Callable[[str, bool], None]  # (shard, retry?) -> one message on the gpu queue
@@ -102,6 +102,13 @@ def dead_letter(settings: Settings, entries: list[dict[str, Any]]) -> None:
         os.close(fd)
 
 
+def check_fields(check: Any) -> dict[str, Any]:
+    """A failed state check's numbers for its dead letter (what the run's total reads)."""
+    if check is None:
+        return {}
+    return {"checked": check.positions, "gap": round(check.gap, 6)}
+
+
 def result_entry(result: Any, sha256: str) -> dict[str, Any]:
     return {"sha256": sha256, "samples": result.written + result.skipped_done,
             "written": result.written, "skipped_done": result.skipped_done,
@@ -141,7 +148,8 @@ def run(settings: Settings, xl: ExtractionLedger, extractor: Callable[[], Any],
         result = extractor().run_shard(path, progress=_reporter(xl, shard, me))
         now = time.time()
         dead_letter(settings, [{"kind": "sample", "shard": shard, "idx": f.idx, "id": f.id,
-                                "reason": f.reason, "worker": me, "time": now}
+                                "reason": f.reason, "worker": me, "time": now,
+                                **check_fields(f.check)}
                                for f in result.failures])
         entry = result_entry(result, sha)
         xl.mark_done(shard, entry, len(result.failures))

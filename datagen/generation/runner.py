@@ -25,6 +25,7 @@ from datagen.errors import (
     CaptureFailed,
     LedgerUnavailable,
     ServerUnavailable,
+    StatesNotShared,
     StorageError,
 )
 from datagen.generation.job import Job, Prompt, read_prompt
@@ -138,10 +139,16 @@ def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
                                   _aux_layer_ids(tuple(settings.aux_layer_ids or ()),
                                                  settings.model_path))
     except (capture.CaptureMismatch, OSError) as exc:
+        if not path.exists():
+            UNSEEN.check(path, settings.capture_unseen_limit, settings.output_dir)
         raise CaptureFailed(f"captured states: {exc}") from exc
+    UNSEEN.reset()
     Path(f"{path}.lock").unlink(missing_ok=True)
     return {"states": str(path.relative_to(Path(settings.output_dir).resolve())),
             "states_bytes": size}
+
+
+UNSEEN = capture.Unseen()  # this process's files found neither written nor locked, in a row
 
 
 @functools.lru_cache(maxsize=4)
@@ -252,7 +259,7 @@ def run_job(ctx: Context, job: Job) -> Outcome:
                 attempt += 1
                 time.sleep(backoff_s(attempt, settings.retry_backoff_s))
             continue
-        except (BadRequest, BadInput) as exc:
+        except (BadRequest, BadInput, StatesNotShared) as exc:
             return _dead(ctx, job, str(exc), woken + lease.woken)
         return replace(outcome, woken=tuple(woken + lease.woken))
 

@@ -27,11 +27,14 @@ import fcntl
 import json
 import os
 import struct
+import threading
 import time
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from datagen.errors import StatesNotShared
 
 STATES_DIR = "states"
 SUFFIX = ".safetensors"
@@ -307,6 +310,36 @@ def prune(output_dir: str | Path, dataset: str, kept: Callable[[], Container[str
             continue
         files, size = files + 1, size + gone
     return files, size
+
+
+class Unseen:
+    """Captured files in a row that this worker finds neither written nor locked. The
+    connector creates a file's lock before the server answers, so such a file is one the
+    server put somewhere else: once ``limit`` come in a row, the worker and the server do not
+    share the states folder, and ``StatesNotShared`` says so (a file that arrives, or a lock
+    that shows the server was there, starts the count over)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def check(self, path: Path, limit: int, output_dir: str | Path) -> None:
+        """Count ``path`` (just found missing); raise StatesNotShared at ``limit``."""
+        seen = path.exists() or Path(f"{path}.lock").exists()
+        with self._lock:
+            self._count = 0 if seen else self._count + 1
+            count = self._count
+        if count >= limit:
+            raise StatesNotShared(
+                f"captured states: none of the last {count} files the server was asked for is "
+                f"in {path.parent}, not even its lock (output_dir {output_dir}): the server "
+                "writes its states where this worker does not see them; mount the same "
+                "folder at the same output_dir on the server and every worker "
+                "(capture_unseen_limit)")
+
+    def reset(self) -> None:
+        with self._lock:
+            self._count = 0
 
 
 def write_failure(path: Path) -> OSError | None:

@@ -575,3 +575,34 @@ def test_a_server_killed_mid_write_leaves_no_file_a_sample_could_be_counted_with
     size = temps[0].stat().st_size
     assert capture.prune(tmp_path, "B1", set) == (2, size)
     assert not list(path.parent.iterdir())
+
+
+def test_a_worker_that_never_sees_the_server_s_files_gives_up_at_once(stack: Stack) -> None:
+    # Given: a server that writes its states nowhere this worker looks (the simulator writes
+    # no file and no lock: as a server mounting another folder), five retries per sample, and
+    # capture_unseen_limit 3
+    from producers.producer import Producer
+
+    stack.start_simulator("--kind", "vllm", "--lengths", "fixed:20", "--decode-step-s", "0.001")
+    part = write_jsonl(stack.tmp / "partition" / "B1.jsonl",
+                       [{"id": f"s{i}", "prompt": f"hello {i}"} for i in range(6)])
+    settings = stack.configure(data_dir=str(part.parent), server_kind="vllm",
+                               capture_states=True, capture_timeout_s=5.0, max_retries=5,
+                               short_concurrency=1, capture_unseen_limit=3)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+
+    # When: the samples run
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: len(ledger.dead("B1")) == 6, 120, what="6 samples given up on")
+
+    # Then: after 3 files in a row with neither file nor lock, every sample is given up at its
+    # first miss with the reason that names the folder, not re-run five times each (36 runs)
+    reasons = list(ledger.dead("B1").values())
+    assert sum("where this worker does not see them" in why for why in reasons) >= 5
+    assert all(str(settings.output_dir) in why for why in reasons
+               if "does not see them" in why)
+    starts = [e for e in stack.sim_log() if e["event"] == "start"]
+    assert len(starts) == 2 + 6, len(starts)  # two misses retried, then one run each
+    assert ledger.snapshot("B1")["tokens"] == 0

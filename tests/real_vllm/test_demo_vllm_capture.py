@@ -86,6 +86,12 @@ def test_the_demo_generates_on_vllm_capturing_the_states_with_no_extraction_pass
     manifest = [json.loads(x) for p in (folder / "manifest").glob("*.jsonl")
                 for x in p.read_text().splitlines()]
     assert files and len(files) == len(manifest)
+    # every file proved against the server's log-probabilities (check_states): each sample's
+    # line names its positions and gap, and the run's total has them all, none failed
+    assert all(e["checked"] > 0 and e["gap"] < 0.1 for e in manifest), manifest[:3]
+    total = meta["state_check"]
+    assert total["checked"] == len(manifest) and total["failed"] == total["unchecked"] == 0
+    assert f"state check: {len(manifest):,} samples checked" in stdout
     data = torch.load(files[0], weights_only=True)
     assert data["hidden_state"].dtype == torch.bfloat16  # captured in float32, cast
     assert data["aux_hidden_state"].shape[-1] == 3 * data["hidden_state"].shape[-1]

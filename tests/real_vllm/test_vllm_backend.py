@@ -69,13 +69,28 @@ def datagen(monkeypatch: pytest.MonkeyPatch, stack: Stack, *argv: str) -> int:
     return main(list(argv))
 
 
-def records(out: Path, vocab: int, n: int) -> None:
+def records(out: Path, vocab: int, n: int, model: Path) -> None:
+    """Records with the log-probabilities of their output ids (check_states): a generation
+    server would answer them; here transformers in float32 on the same checkpoint, whose
+    states equal vLLM's within 2e-6 (below), so a file that is the engine's passes the check
+    and one out of line with its ids would not."""
+    from transformers import AutoModelForCausalLM
+
+    from datagen.generation.records import pack_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     rng = random.Random(0)
     recs = [{"id": f"s{i}", "dataset": "B1", "rid": f"r{i}", "time": float(i),
              "messages": [{"role": "user", "content": "q"}], "truncated": False,
              "prompt_ids": [rng.randrange(vocab) for _ in range(rng.randint(5, 40))],
              "output_ids": [rng.randrange(vocab) for _ in range(rng.randint(100, 300))]}
             for i in range(n)]
+    for rec in recs:
+        ids, first = rec["prompt_ids"] + rec["output_ids"], len(rec["prompt_ids"]) - 1
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        rec["output_logprobs"] = pack_logprobs(
+            [float(logp[first + i, t]) for i, t in enumerate(rec["output_ids"])])
     write_jsonl(out / "records" / "B1" / "w.jsonl", recs)
 
 
@@ -107,7 +122,7 @@ def test_a_killed_vllm_replica_leaves_no_half_file_and_another_finishes_with_hfs
         extract_backend="vllm", vllm_python=python, vllm_args="--enforce-eager",
         vllm_inflight=2, train_max_length=512, shard_samples=40, extract_batch_tokens=400)
     out = Path(settings.output_dir)
-    records(out, encoder.vocab_size, n)
+    records(out, encoder.vocab_size, n, model)
     assert datagen(monkeypatch, stack, "prepare") == 0
     folder = extraction_dir(settings)
     gpu = stack.worker("gpu")
@@ -136,6 +151,14 @@ def test_a_killed_vllm_replica_leaves_no_half_file_and_another_finishes_with_hfs
     assert not [p for p in folder.rglob("*") if ".tmp-" in p.name or p.suffix == ".lock"]
     done = {k: json.loads(v) for k, v in r.hgetall(xlm.DONE).items()}
     assert sum(d["skipped_done"] for d in done.values()) >= killed_with > 0
+
+    # Every file the engine wrote was checked against its record's log-probabilities
+    # (before and after the kill), none failed, and the run's total counts each sample once
+    lines = [json.loads(x) for p in (folder / "manifest").glob("*.jsonl")
+             for x in p.read_text().splitlines() if x.strip()]
+    assert all(e["checked"] > 0 and e["gap"] < 1e-3 for e in lines), lines[:3]
+    total = json.loads((folder / "extraction.json").read_text())["state_check"]
+    assert (total["checked"], total["failed"], total["unchecked"]) == (n, 0, 0), total
 
     # The engine's files equal transformers' for the same samples (float32: measured
     # <= 2e-6 apart), and SpecForge's own reader counts both folders alike
@@ -166,7 +189,12 @@ def test_a_tiny_deepseek_v3_mla_and_moe_on_vllm_matches_transformers(
     0.4-1.6% (median 0.85%) over 12 samples, 1.4% at most through the wrapper (2026-12-04).
     vLLM's MLA computes attention in the absorbed latent form, transformers in the expanded
     one, and a small difference in a router score can move a token to another expert, so it
-    is not float32 rounding; ids and loss masks are exact."""
+    is not float32 rounding; ids and loss masks are exact.
+
+    The records here carry no log-probabilities, so these samples are counted `unchecked`:
+    the `vllm` backend only prefills, so the engine gives none, and transformers' are not the
+    engine's for these layouts (the 3% above). The state check runs on them against a vLLM
+    server's own log-probabilities in tests/real_vllm/test_capture_models.py."""
     python = vllm_python()
     if layout == "kimi_k25":
         engine_model = build_tiny_kimi_k25(tmp_path / "kimi", 512, hidden_size=128,

@@ -1,0 +1,53 @@
+"""The run's state-check total (datagen/extraction/tally.py) read from the durable lines: a
+shard run twice (a resume, a duplicate delivery) and a sample that failed and then passed on a
+rerun count once, as what their last outcome says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import write_jsonl
+
+from datagen.extraction import tally
+
+
+def test_the_total_counts_each_sample_once_by_its_last_outcome(tmp_path: Path) -> None:
+    # Given: shard a written twice (a resume rewrote idx 1), idx 2 failed then passed on a
+    # rerun, idx 3 failed, idx 4 written without log-probabilities, idx 5 dead for another reason
+    line = {"dataset": "B1", "path": "x", "tokens": 9}
+    write_jsonl(tmp_path / "manifest" / "a.jsonl", [
+        {**line, "idx": 0, "id": "s0", "checked": 5, "gap": 0.001},
+        {**line, "idx": 1, "id": "s1", "checked": 5, "gap": 0.002},
+        {**line, "idx": 1, "id": "s1", "checked": 5, "gap": 0.002}])
+    write_jsonl(tmp_path / "manifest" / "b.jsonl", [
+        {**line, "idx": 2, "id": "s2", "checked": 5, "gap": 0.003},
+        {**line, "idx": 4, "id": "s4", "checked": 0, "gap": 0.0}])
+    (tmp_path / "manifest" / "b.jsonl").open("a").write('{"idx": 9, "id"')  # torn by a kill
+    letter = {"kind": "sample", "shard": "b", "reason": "state check: ...", "time": 0}
+    write_jsonl(tmp_path / tally.DEAD_LETTERS, [
+        {**letter, "idx": 2, "id": "s2", "checked": 5, "gap": 0.9},
+        {**letter, "idx": 3, "id": "s3", "checked": 4, "gap": 1.7},
+        {"kind": "sample", "shard": "b", "idx": 5, "id": "s5", "reason": "write failed"},
+        {"kind": "shard", "shard": "c", "idx": None, "id": None, "reason": "BadInput"}])
+    (tmp_path / "extraction.json").write_text(json.dumps({"dtype": "float32"}))
+
+    # When: the total is taken and saved
+    total = tally.run_total(tmp_path)
+    assert tally.save(tmp_path, total)
+
+    # Then: 4 checked (0, 1, 2 passed; 3 failed), 1 failed, the worst gap is the failure's
+    assert total == {"checked": 4, "failed": 1, "unchecked": 1, "positions": 19,
+                     "worst_gap": 1.7, "worst_idx": 3, "worst_id": "s3"}
+    saved = json.loads((tmp_path / "extraction.json").read_text())
+    assert saved["dtype"] == "float32" and tally.saved(tmp_path) == total
+    assert tally.describe(total) == (
+        "state check: 4 samples checked (19 positions), 1 failed, worst gap 1.7 nats (sample "
+        "idx 3, id 's3'); 1 samples not checked (check_states off, or records without "
+        "log-probabilities)")
+
+
+def test_a_folder_without_extraction_json_gets_no_total_written(tmp_path: Path) -> None:
+    assert tally.run_total(tmp_path)["checked"] == 0
+    assert not tally.save(tmp_path, tally.run_total(tmp_path))
+    assert tally.saved(tmp_path) is None
