@@ -127,6 +127,30 @@ def volume_path(compose: Compose, name: str) -> Path:
     return Path(done.stdout.strip())
 
 
+# What a worker or the producer logs when a sample runs again while an earlier run of it may
+# still finish (docs/RELIABILITY.md): a reaped lease, a server taken for lost, a commit whose
+# lease had ended, a sweep, Redis away.
+RERUN_SIGNS = ("went stale", "cannot be reached", "after its lease ended", "sweep re-enqueued",
+               "Redis unreachable", "dropped", "lease ended")
+
+
+def rerun_evidence(compose: Compose, producer_out: str) -> str:
+    """The lines that say why a sample ran twice, read before `down` removes the
+    containers: every worker's matching log lines, its restart count, the producer's."""
+    names = [compose.container("worker-long")] + [compose.container("worker-short", i)
+                                                  for i in range(1, SHORT_WORKERS + 1)]
+    restarts = podman("inspect", "--format", "{{.Name}} restarts={{.RestartCount}}", *names,
+                      env=compose.env, check=False).stdout.split("\n")
+    lines = [line for line in restarts if line.strip()]
+    for name in names:
+        logs = podman("logs", "-t", name, env=compose.env, check=False)
+        lines += [f"{name}: {line}" for line in (logs.stdout + logs.stderr).splitlines()
+                  if any(sign in line for sign in RERUN_SIGNS)]
+    lines += [f"producer: {line}" for line in producer_out.splitlines()
+              if any(sign in line for sign in RERUN_SIGNS)]
+    return "\n".join(lines[:80])
+
+
 def test_scaled_deployment_stores_every_sample_once(project: Compose) -> None:
     compose, env = project, project.env
     flower = Flower(env["FLOWER_PORT"], env["FLOWER_BASIC_AUTH"])
@@ -166,6 +190,8 @@ def test_scaled_deployment_stores_every_sample_once(project: Compose) -> None:
         assert snap["pending"] == snap["in_flight"] == snap["dead"] == 0, snap
     assert len(tasks) >= sum(s["stats"]["samples"] for s in snapshots.values())
 
+    evidence = rerun_evidence(compose, run.stdout + run.stderr)
+
     # When: the stack goes down (the volumes stay)
     compose.run("down", "--remove-orphans", timeout_s=STEP_TIMEOUT_S)
     left = podman("ps", "-aq", "--filter", f"label=io.podman.compose.project={compose.project}",
@@ -178,7 +204,9 @@ def test_scaled_deployment_stores_every_sample_once(project: Compose) -> None:
     for d in datasets:
         records = read_jsonl(*sorted((output / "records" / d).glob("*.jsonl")))
         ids = [r["id"] for r in records]
-        assert len(ids) == len(set(ids)) == snapshots[d]["stats"]["samples"], d
+        # a sample stored twice names its cause in the workers' lines (none in a clean run)
+        assert len(ids) == len(set(ids)) == snapshots[d]["stats"]["samples"], \
+            f"{d}: {len(ids)} records of {len(set(ids))} samples; why:\n{evidence}"
         assert {r["id"]: f"{r['rid']} {r['completion_tokens']}" for r in records} == committed[d]
         assert sum(r["completion_tokens"] for r in records) == snapshots[d]["tokens"], d
         bad = output / "reports" / f"{d}.bad.txt"
