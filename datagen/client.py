@@ -263,7 +263,11 @@ class SGLangClient:
             socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
         except ConnectionRefusedError:
             return True
-        except OSError:  # timed out, no route to the host, name unknown
+        except socket.gaierror as exc:
+            # A resolver that did not answer in time (EAI_AGAIN: Podman's and Docker's DNS on
+            # a loaded host) says nothing of the server's host; a name that is unknown does.
+            return exc.errno == socket.EAI_AGAIN
+        except OSError:  # timed out, no route to the host
             return False
         return True
 

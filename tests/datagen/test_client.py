@@ -9,6 +9,7 @@ simulator.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -235,3 +236,20 @@ def test_requests_waiting_on_a_lost_server_are_dropped_at_once_and_reset() -> No
     assert isinstance(got["after"], ConnectionResetError), got["after"]
     assert client.drop_in_flight() == 0  # nothing is waiting any more
     listener.close()
+
+
+@pytest.mark.parametrize(("error", "reachable"), [
+    (socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"), True),
+    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), False),
+    (TimeoutError("timed out"), False),
+    (ConnectionRefusedError(111, "Connection refused"), True)])
+def test_a_resolver_that_did_not_answer_in_time_is_no_verdict_on_the_server_s_host(
+        monkeypatch: pytest.MonkeyPatch, error: OSError, reachable: bool) -> None:
+    # A container network's DNS (Podman's aardvark-dns) may answer EAI_AGAIN on a loaded
+    # host: taken as "host gone", the worker would end its leases and its samples would run
+    # twice (stored twice, counted once).
+    def connect(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    assert SGLangClient("http://sglang:30000").reachable() is reachable
