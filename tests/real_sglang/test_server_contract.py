@@ -196,9 +196,10 @@ def test_an_abort_by_the_exact_rid_answers_200_with_the_partial_output(
 def test_an_aborted_stream_keeps_the_tokens_made_before_the_abort(
         real_sglang_context: RealServer) -> None:
     rid = unique("abort-stream")
+    # ignore_eos: the tiny random model may sample its eos before the abort lands ('stop')
     resp = requests.post(f"{real_sglang_context.url}/generate", stream=True, timeout=TIMEOUT,
                          json={"input_ids": prompt(8), "rid": rid, "stream": True,
-                               "sampling_params": {"max_new_tokens": 2000}})
+                               "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
     lines = resp.iter_lines()
     first = next(line for line in lines if line)  # a token is out: the request is decoding
     requests.post(f"{real_sglang_context.url}/abort_request", json={"rid": rid}, timeout=30)
@@ -222,7 +223,7 @@ def test_an_abort_by_a_rid_prefix_aborts_nothing(real_sglang_context: RealServer
     rid, after = unique("prefix"), 8
     resp = requests.post(f"{real_sglang_context.url}/generate", stream=True, timeout=TIMEOUT,
                          json={"input_ids": prompt(8), "rid": rid, "stream": True,
-                               "sampling_params": {"max_new_tokens": 2000}})
+                               "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
     chunks = (json.loads(line.removeprefix(b"data: ")) for line in resp.iter_lines()
               if line and line != b"data: [DONE]")
     first = next(chunks)
