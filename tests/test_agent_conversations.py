@@ -250,15 +250,22 @@ def agent_lines(n: int) -> list[dict[str, Any]]:
     return lines
 
 
+def each_run(stack: Stack, lines: list[dict[str, Any]], decode_step_s: str,
+             **settings: Any) -> Any:
+    """Dataset C1 of ``lines`` with regenerate = "each", on a simulator stopping on Kimi's
+    <|im_end|>: the settings (no worker started)."""
+    stack.start_simulator("--lengths", "uniform:20:40", "--decode-step-s", decode_step_s)
+    write_jsonl(stack.tmp / "partition" / "C1.jsonl", lines)
+    return stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=4,
+                           short_max_tokens=64, trust_remote_code=True, regenerate="each",
+                           **settings)
+
+
 def test_each_turn_runs_as_its_own_sample_through_a_kill_and_a_restart(kimi_stack: Stack):
     # Given: 10 agent trajectories of two assistant turns each, regenerate = "each", and a
     # worker to be killed while it holds requests
     stack = kimi_stack
-    stack.start_simulator("--lengths", "uniform:20:40", "--decode-step-s", "0.02")
-    write_jsonl(stack.tmp / "partition" / "C1.jsonl", agent_lines(10))
-    settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=4,
-                               short_max_tokens=64, trust_remote_code=True,
-                               regenerate="each")
+    settings = each_run(stack, agent_lines(10), "0.02")
     victim = stack.worker("short", name="victim@%h")
     stack.wait_workers(1)
     ledger = stack.ledger()
@@ -313,11 +320,8 @@ def test_each_turn_runs_as_its_own_sample_through_a_kill_and_a_restart(kimi_stac
 def test_a_budget_closes_a_dataset_of_turns_and_no_turn_starts_after(kimi_stack: Stack):
     # Given: 40 trajectories' 80 turns, a budget of about 15 of them
     stack = kimi_stack
-    stack.start_simulator("--lengths", "uniform:20:40", "--decode-step-s", "0.005")
-    write_jsonl(stack.tmp / "partition" / "C1.jsonl", agent_lines(40))
-    settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=4,
-                               short_max_tokens=64, trust_remote_code=True,
-                               regenerate="each", budgets={"C1": 450}, token_budget=10**6)
+    settings = each_run(stack, agent_lines(40), "0.005", budgets={"C1": 450},
+                        token_budget=10**6)
     stack.worker("short")
     stack.wait_workers(1)
 

@@ -7,51 +7,22 @@ their own, so the test installs nothing and can be root or not as it pleases.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
+import fake_apt
 import pytest
+from fake_apt import apt_calls, run_target
 
-REPO = Path(__file__).resolve().parent.parent
-TOOLS = ("bash", "sh", "make", "cat", "echo", "chmod")
 PROGRAMS = ("podman", "runc", "mmdebstrap", "catatonit")
 
 
 def fake_bin(tmp: Path, uid: int, apt: str | None) -> Path:
-    """A PATH with the real shell tools, `id -u` printing ``uid`` and, if ``apt`` is "works"
-    or "fails", an apt-get that logs its calls (and on install, when it works, puts the
-    programs on the PATH)."""
-    folder = tmp / "bin"
-    folder.mkdir()
-    for tool in TOOLS:
-        found = shutil.which(tool)
-        assert found, tool
-        (folder / tool).symlink_to(found)
-    _script(folder / "id", f"echo {uid}")
-    if apt is not None:
-        install = "; ".join(f'printf "#!/bin/sh\\n" > "{folder}/{p}"; chmod +x "{folder}/{p}"'
-                            for p in PROGRAMS) if apt == "works" else "exit 100"
-        _script(folder / "apt-get", f'echo "$*" >> "{tmp}/apt.log"\n'
-                                    f'case "$*" in *install*) {install};; esac')
-    return folder
+    return fake_apt.fake_bin(tmp, uid, apt, PROGRAMS)
 
 
-def _script(path: Path, body: str) -> None:
-    path.write_text(f"#!/bin/sh\n{body}\n")
-    path.chmod(0o755)
-
-
-def run_step(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["make", "-s", "system-podman"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60,
-                          env={"PATH": str(path), "HOME": os.environ.get("HOME", "/")})
-
-
-def apt_calls(tmp: Path) -> list[str]:
-    log = tmp / "apt.log"
-    return log.read_text().splitlines() if log.exists() else []
+def run_step(path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return run_target("system-podman", path, **env)
 
 
 def test_as_root_with_apt_it_installs_podman_runc_and_mmdebstrap(tmp_path: Path) -> None:

@@ -40,6 +40,9 @@ class TextRows:
     exact: int = 0
     inexact: int = 0
 
+    def __post_init__(self) -> None:
+        self._eos = self.encoder.decode([self.encoder.eos_token_id])  # once, not per row
+
     def line(self, record: dict[str, Any]) -> str:
         ids = record["prompt_ids"] + record["output_ids"]
         spans = loss_spans(record) or [[len(record["prompt_ids"]), len(ids)]]
@@ -76,10 +79,6 @@ class TextRows:
             if self.encoder.tokens(rendered) == ids:
                 return turn
         return None
-
-    @property
-    def _eos(self) -> str:
-        return self.encoder.decode([self.encoder.eos_token_id])
 
     def _text(self, ids: Sequence[int]) -> str:
         # special tokens (eos, role markers) are the template's, not the assistant's text
