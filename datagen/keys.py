@@ -34,6 +34,16 @@ def worker_alive(worker_id: str) -> str:
     return f"{PREFIX}alive:{worker_id}"
 
 
+def worker_claims(worker_id: str) -> str:
+    """SET of JSON [dataset, sample] with a TTL of a lease, refreshed by the worker's
+    heartbeat: the samples its tasks run now, from the start of the task (right after the
+    early ack), before admission and between retries. A sweep leaves them alone."""
+    return f"{PREFIX}claims:{worker_id}"
+
+
+CLAIMS_MATCH = PREFIX + "claims:*"
+
+
 # STRING owner id with a TTL of a second, dropped after the pass: the one process reaping
 # stale leases now (liveness.REAP_LOCK_S).
 REAPER_LOCK = PREFIX + "reaper_lock"

@@ -5,6 +5,13 @@ heartbeat renews every lease in the book; a lease nobody renews goes stale and a
 reaper reclaims it, whoever owned it. A request that ends without a commit is
 released in one place, ``Lease.__exit__``: when Redis cannot be reached then, the
 release is retried by the heartbeat (and, failing that, the lease simply goes stale).
+
+Before its admission, a task claims its sample in the book (``running``): the claim lasts
+the whole task, retries and their waits included, and is published for the sweep, which
+otherwise takes a sample between its early ack and its admission for one whose message was
+lost. A second copy of a sample in the same process (a sweep's, a reaper's) waits for the
+first to end: both would hold the same owner's entry, and admission lets an owner take its
+own entry over.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 from datagen.errors import LedgerUnavailable
@@ -33,6 +42,42 @@ class LeaseBook:
         # set by the heartbeat while the server cannot be reached from here: a lease taken
         # then would only be ended, so none is used (the sample goes back to the queue)
         self.server_lost = threading.Event()
+        self._runs = threading.Condition()
+        self._running: set[tuple[str, str]] = set()
+
+    @contextmanager
+    def running(self, dataset: str, sample: str) -> Iterator[bool]:
+        """Claim a sample for one task, waiting while another task of this process runs it;
+        yields whether it waited. The claim is published for the sweep (and again by every
+        beat: one Redis could not take now is published by the next)."""
+        key = (dataset, sample)
+        waited = False
+        with self._runs:
+            while key in self._running:
+                waited = True
+                self._runs.wait()
+            self._running.add(key)
+        try:
+            self._publish(dataset, sample, True)
+            yield waited
+        finally:
+            # withdrawn before a waiting copy may claim it: never after that copy's claim
+            self._publish(dataset, sample, False)
+            with self._runs:
+                self._running.discard(key)
+                self._runs.notify_all()
+
+    def publish_claims(self) -> None:
+        """Publish every claim again, for another lease. No task claims meanwhile, so the
+        published set is never older than a claim published before it."""
+        with self._runs:
+            self.ledger.publish_claims(self.owner, self._running)
+
+    def _publish(self, dataset: str, sample: str, running: bool) -> None:
+        try:
+            self.ledger.claim(self.owner, dataset, sample, running)
+        except LedgerUnavailable as exc:
+            log.debug("claim of %s/%s left to the next beat: %s", dataset, sample, exc)
 
     def hold(self, dataset: str, sample: str, rid: str) -> Lease:
         with self._lock:
@@ -82,6 +127,7 @@ class LeaseBook:
         held = self.held() if held_too else {}
         if held:
             self.ledger.renew(held)
+        self.publish_claims()
         with self._lock:
             todo, self._unreleased = self._unreleased, []
         woken: list[str] = []

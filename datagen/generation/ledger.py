@@ -250,6 +250,35 @@ class Ledger:
                        args=args, client=pipe)
             return sum(int(x) for x in self._call(pipe.execute))
 
+    def claim(self, owner: str, dataset: str, sample: str, running: bool = True) -> None:
+        """Publish (or withdraw) one sample this owner's task runs now (keys.worker_claims)."""
+        key, member = keys.worker_claims(owner), json.dumps([dataset, sample])
+        with self.r.pipeline(transaction=False) as pipe:
+            if running:
+                pipe.sadd(key, member)
+                pipe.pexpire(key, int(self.settings.lease_s * 1000))
+            else:
+                pipe.srem(key, member)
+            self._call(pipe.execute)
+
+    def publish_claims(self, owner: str, running: Iterable[tuple[str, str]]) -> None:
+        """Replace this owner's published claims with ``running``, for another lease."""
+        key = keys.worker_claims(owner)
+        members = [json.dumps([dataset, sample]) for dataset, sample in running]
+        with self.r.pipeline() as pipe:
+            pipe.delete(key)
+            if members:
+                pipe.sadd(key, *members)
+                pipe.pexpire(key, int(self.settings.lease_s * 1000))
+            self._call(pipe.execute)
+
+    def claimed(self) -> set[tuple[str, str]]:
+        """Every (dataset, sample) a live worker's task runs now, whatever its stage."""
+        found: set[tuple[str, str]] = set()
+        for key in self.r.scan_iter(match=keys.CLAIMS_MATCH, count=1000):
+            found.update(tuple(json.loads(m)) for m in self.r.smembers(key))
+        return found
+
     def reap(self, dataset: str, min_contact_s: float = 0.0) -> list[Reclaimed]:
         """Reclaim the dataset's in-flight entries whose lease is stale, whoever owns them;
         with ``min_contact_s``, only when the fleet has been in touch with Redis that long

@@ -269,10 +269,14 @@ def sweep(ledger: Ledger, requeue: Requeue) -> int:
 
     Only sound when the generation queues are empty, so it checks that first: a
     message lost between an early ack and the in-flight entry (a worker killed in
-    that instant) is found here at the end of a run.
+    that instant) is found here at the end of a run. A sample a live worker's task
+    claims (taken, not yet admitted, or between retries) is not lost. The reads follow
+    a sample's life (queued, claimed, in flight, done), so one moving on meanwhile is
+    seen in a later read.
     """
     if queued_messages(ledger):
         return 0
+    claimed = ledger.claimed()
     count = 0
     for dataset in ledger.datasets():
         if ledger.closed(dataset):
@@ -284,7 +288,7 @@ def sweep(ledger: Ledger, requeue: Requeue) -> int:
             requeue(job)
         count += len(woken)
         skip = (set(in_flight) | ledger.done_ids(dataset) | ledger.parked(dataset)
-                | {job.sample for job in woken})
+                | {job.sample for job in woken} | {s for d, s in claimed if d == dataset})
         for sample, payload in ledger.pending(dataset).items():
             if sample not in skip:
                 requeue(Job.from_payload(json.loads(payload)))

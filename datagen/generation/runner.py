@@ -206,8 +206,18 @@ def run_job(ctx: Context, job: Job) -> Outcome:
     """Check, call, persist, commit — with retries on a failing server.
 
     A try counts against ``max_retries`` only when the server looked healthy: while
-    it is down the job waits for it instead of burning its retries.
+    it is down the job waits for it instead of burning its retries. The sample is claimed
+    for the whole task (``LeaseBook.running``): another copy of it in this process waits,
+    then finds it done (or runs it, if this one did not store it).
     """
+    with ctx.leases.running(job.dataset, job.sample) as waited:
+        if waited:
+            log.info("sample %s of %s: another copy of it ran here first", job.sample,
+                     job.dataset)
+        return _run_job(ctx, job)
+
+
+def _run_job(ctx: Context, job: Job) -> Outcome:
     settings = ctx.settings
     attempt = 0
     woken: list[str] = []

@@ -207,3 +207,79 @@ def test_a_task_taken_after_the_server_was_lost_sends_nothing_and_goes_back_to_t
     server["ok"] = True
     assert beat.check_server() is True
     assert not book.server_lost.is_set()
+
+
+def test_a_second_copy_of_a_running_sample_in_the_same_worker_waits_and_finds_it_done(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a worker whose task of s1 is generating (admitted, its request not answered), and
+    # a second copy of s1 taken by the same process (a sweep's or a reaper's re-enqueue):
+    # admission lets an owner take its own entry over, so nothing in Redis tells them apart
+    import threading
+
+    from datagen.generation import runner
+
+    ctx, led, job, _ = worker_with_one_task(redis_url, {"ok": True})
+    entered, go, waiting = threading.Event(), threading.Event(), threading.Event()
+    generated: list[str] = []
+
+    def generate(ctx: runner.Context, job: Job, lease: Any) -> runner.Outcome:
+        generated.append(lease.rid)
+        entered.set()
+        go.wait(60)
+        lease.commit(prompt_tokens=5, completion_tokens=10, truncated=False, latency_s=0.1)
+        return runner.Outcome("stored", 10)
+
+    monkeypatch.setattr(runner, "_generate_admitted", generate)
+    runs = ctx.leases._runs
+    wait = runs.wait
+
+    def noted_wait(timeout: float | None = None) -> bool:
+        waiting.set()
+        return wait(timeout)
+
+    monkeypatch.setattr(runs, "wait", noted_wait)
+    outcomes: list[str] = []
+    threads = [threading.Thread(target=lambda: outcomes.append(runner.run_job(ctx, job).status))
+               for _ in range(2)]
+    threads[0].start()
+    assert entered.wait(60)
+
+    # When: the second copy runs while the first generates, then the first finishes
+    threads[1].start()
+    wait_until(lambda: waiting.is_set() or len(generated) > 1, 60, what="the second copy")
+    go.set()
+    for thread in threads:
+        thread.join(60)
+
+    # Then: one request was sent and one sample counted; the second copy found it done
+    assert len(generated) == 1
+    assert sorted(outcomes) == ["done", "stored"]
+    assert led.snapshot("A")["stats"]["samples"] == 1
+
+
+def test_a_sweep_leaves_a_claimed_sample_alone_until_its_worker_ends_it_or_dies(
+        redis_url: str) -> None:
+    # Given: a pending sample with no message queued and nothing in flight, whose task a
+    # worker has taken (acked early) but not yet admitted: it claims the sample
+    from datagen.generation.liveness import sweep
+
+    ctx, led, job, beat = worker_with_one_task(redis_url, {"ok": True})
+    requeued: list[Job] = []
+    with ctx.leases.running("A", "s1"):
+        # Then: the sweep takes it for a running task, not for a lost message
+        assert sweep(led, requeued.append) == 0
+        # and a beat publishes the claim again when Redis lost it
+        led.r.delete(keys.worker_claims("w1"))
+        beat.beat()
+        assert sweep(led, requeued.append) == 0
+
+    # When: the task ends without admitting it, then Then: the sweep gives it back
+    assert sweep(led, requeued.append) == 1 and requeued == [job]
+
+    # And: a worker that dies holding a claim holds it one lease at most
+    short = Ledger(connect(redis_url), Settings(redis_url=redis_url, lease_s=1.0))
+    short.claim("w2", "A", "s1")
+    assert sweep(led, requeued.append) == 0
+    wait_until(lambda: not led.r.exists(keys.worker_claims("w2")), 30,
+               what="the dead worker's claims to expire")
+    assert sweep(led, requeued.append) == 1 and requeued == [job, job]
