@@ -121,9 +121,10 @@ class DatagenConnector(ExampleHiddenStatesConnector):
             return False, None
         delay, params = super().request_finished(request, block_ids)
         pending = self._pending_saves.get(request.request_id)
-        if pending is not None:
-            spans = (request.kv_transfer_params or {}).get("loss_spans") or []
-            pending.loss_spans = [list(map(int, s)) for s in spans]  # travels to the worker
+        if pending is not None:  # these travel to the worker with the pending save
+            params = request.kv_transfer_params or {}
+            pending.loss_spans = [list(map(int, s)) for s in params.get("loss_spans") or []]
+            pending.keep_positions = int(params.get("keep_positions") or 0)
         if delay:
             self._held.add(request.request_id)
         return delay, params
@@ -168,13 +169,16 @@ class DatagenConnector(ExampleHiddenStatesConnector):
             os.close(lock_fd)
             self._released.add(pending.req_id)  # its blocks were held for nothing
             return
-        sink = self._sink(pending, self._copier.layout.widths(self._copier.cache.shape[-1]))
-        self._copier.submit(pending.req_id, pending.block_ids, int(pending.token_ids.shape[0]),
-                            sink, lambda job, error, fd=lock_fd: release_lock(fd, error))
-
-    def _sink(self, pending: PendingSave, widths: tuple[int, int]) -> Sink:
         n = int(pending.token_ids.shape[0])
-        return TorchSink(Path(pending.filename), pending.token_ids.clone(),
+        keep = int(getattr(pending, "keep_positions", 0) or 0)
+        if keep:  # the window: the blocks past it are never copied
+            n = min(n, keep)
+        sink = self._sink(pending, self._copier.layout.widths(self._copier.cache.shape[-1]), n)
+        self._copier.submit(pending.req_id, pending.block_ids, n, sink,
+                            lambda job, error, fd=lock_fd: release_lock(fd, error))
+
+    def _sink(self, pending: PendingSave, widths: tuple[int, int], n: int) -> Sink:
+        return TorchSink(Path(pending.filename), pending.token_ids[:n].clone(),
                          loss_mask(getattr(pending, "loss_spans", []), n), widths, self._dtype)
 
     def get_finished(self, finished_req_ids: set[str]
@@ -224,6 +228,7 @@ class CaptureConnector(DatagenConnector):
     Differences from the extraction connector above: a request without ``hidden_states_path``
     (or naming a file outside ``shared_storage_path``) is served and nothing is locked or
     written for it (vLLM's example connector writes every request somewhere); the file is
+    cut at ``keep_positions`` (the worker's train_max_length) and is
     safetensors (datagen/servers/capture.py reads its ids without torch) and has no loss mask,
     which the build step derives from the record. Both drop an aborted request's states (its
     lock released, no file)."""
@@ -260,6 +265,6 @@ class CaptureConnector(DatagenConnector):
                 return bool((extra.get("kv_transfer_params") or {}).get("hidden_states_path"))
         return False
 
-    def _sink(self, pending: PendingSave, widths: tuple[int, int]) -> Sink:
-        return SafetensorsSink(Path(pending.filename), pending.token_ids.clone(), widths,
+    def _sink(self, pending: PendingSave, widths: tuple[int, int], n: int) -> Sink:
+        return SafetensorsSink(Path(pending.filename), pending.token_ids[:n].clone(), widths,
                                self._dtype, self._meta)

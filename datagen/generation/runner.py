@@ -119,7 +119,9 @@ def trained_tokens(settings: Settings, prompt: Prompt, gen: Generation,
 
 def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
          states: Path | None = None) -> Generation:
-    extra = {"kv_transfer_params": capture.request_params(states)} if states else None
+    extra = ({"kv_transfer_params": capture.request_params(states,
+                                                          ctx.settings.train_max_length)}
+             if states else None)
     return ctx.client.generate(prompt.prompt_ids, sampling_params(ctx.settings, job), rid,
                                dataset=job.dataset, extra=extra,
                                logprobs=ctx.settings.check_states)
@@ -128,14 +130,16 @@ def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
 def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
                  ) -> dict[str, Any]:
     """Wait for the server's file of this attempt and check it against the ids this worker
-    holds (prompt + output, the last output id excepted: never an input). What the record
+    holds (prompt + output, the last output id excepted: never an input), up to the window
+    (train_max_length: the connector writes no position past it). What the record
     says of it; CaptureFailed (retryable: the sample runs again) when it does not come whole
     within ``capture_timeout_s`` or is not this sample's."""
     if not capture.wait_released(path, settings.capture_timeout_s):
         raise CaptureFailed(f"{path.name} still locked by the server after "
                             f"{settings.capture_timeout_s:.0f} s (capture_timeout_s)")
     try:
-        size = capture.check_file(path, prompt.prompt_ids + gen.output_ids[:-1],
+        ids = (prompt.prompt_ids + gen.output_ids[:-1])[:settings.train_max_length]
+        size = capture.check_file(path, ids,
                                   _aux_layer_ids(tuple(settings.aux_layer_ids or ()),
                                                  settings.model_path))
     except (capture.CaptureMismatch, OSError) as exc:

@@ -4,9 +4,10 @@ With capture on, each generate request carries ``kv_transfer_params`` naming a f
 own under ``<output_dir>/states/<dataset>/<rid>.safetensors``; the server's connector
 (datagen/extraction/vllm_connector.py, ``CaptureConnector``) writes there, once the request
 ended, the states of every position the engine ran (the prompt and the generated tokens, the
-last generated one excepted: it was never an input):
+last generated one excepted: it was never an input) up to ``train_max_length`` (the window:
+positions past it never train, and with ``cap_to_window`` off a response may run past it):
 
-    input_ids        int64 [L]        prompt_ids + output_ids[:-1]
+    input_ids        int64 [L]        (prompt_ids + output_ids[:-1])[:train_max_length]
     aux_hidden_state dtype [L, 3H]    the aux layers' outputs, low | mid | high
     hidden_state     dtype [L, H]     the final RMSNorm over the last layer's output (post-norm,
                                       as SpecForge stores it: the build step applies nothing)
@@ -57,9 +58,14 @@ def states_path(output_dir: str | Path, dataset: str, rid: str) -> Path:
     return Path(output_dir).resolve() / STATES_DIR / dataset / f"{rid}{SUFFIX}"
 
 
-def request_params(path: Path) -> dict[str, Any]:
-    """The ``kv_transfer_params`` of a generate request whose states go to ``path``."""
-    return {"hidden_states_path": str(path), "include_output_tokens": True}
+def request_params(path: Path, window: int = 0) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of a generate request whose states go to ``path``; with a
+    ``window`` (train_max_length), the connector writes the first ``window`` positions only:
+    the others never train (``cap_to_window`` off lets a response run past it)."""
+    params: dict[str, Any] = {"hidden_states_path": str(path), "include_output_tokens": True}
+    if window:
+        params["keep_positions"] = int(window)
+    return params
 
 
 def vllm_capture(aux_ids: Sequence[int], num_layers: int) -> tuple[list[int], list[int]]:

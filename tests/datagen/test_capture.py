@@ -130,6 +130,10 @@ def test_files_are_named_by_the_attempts_rid_under_the_runs_states_folder(tmp_pa
     assert a == tmp_path.resolve() / "states" / "B1" / "r1.safetensors" and a != b
     assert capture.request_params(a) == {"hidden_states_path": str(a),
                                          "include_output_tokens": True}
+    # with the window, the connector writes its positions only
+    assert capture.request_params(a, 2048) == {"hidden_states_path": str(a),
+                                               "include_output_tokens": True,
+                                               "keep_positions": 2048}
 
 
 def test_capture_needs_a_vllm_server_and_says_so() -> None:
@@ -314,6 +318,33 @@ def test_specforge_trains_the_stop_tokens_prediction_in_a_captured_row_too() -> 
     # only the hf row's state at EOS itself (what follows a stop) is not in the captured row
     assert trained(7) == [4, 5, 6]
     assert trained(6) == [4, 5]
+
+
+def test_a_file_cut_at_the_window_builds_its_row_and_a_longer_window_is_refused_saying_why(
+        tmp_path: Path) -> None:
+    # Given: a sample whose response ran past the window (16) with cap_to_window off: the
+    # server kept its first 16 positions only (keep_positions)
+    model, shard = captured_shard(tmp_path, [(4, 20)])
+    rec = json.loads(shard.read_text())
+    write_states(Path(rec["states"]), (rec["prompt_ids"] + rec["output_ids"][:-1])[:16], seed=0)
+
+    # When: it is built at the same window, then at a longer one
+    with Extractor(ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
+                                    dtype="float32", device="cpu", max_length=16,
+                                    backend="captured", keep_captured_states=True)) as ex:
+        same = ex.run_shard(shard)
+    with Extractor(ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs2"),
+                                    dtype="float32", device="cpu", max_length=24,
+                                    backend="captured")) as ex:
+        longer = ex.run_shard(shard)
+
+    # Then: the same window gives its row; the longer one fails the sample, saying why
+    assert same.written == 1
+    row = torch.load(tmp_path / "hs" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    assert row["input_ids"].numel() == 16
+    assert longer.written == 0 and len(longer.failures) == 1
+    assert "16 positions captured, the row needs 23" in longer.failures[0].reason
+    assert "extracted again" in longer.failures[0].reason
 
 
 def captured_records(run: Path, n: int) -> None:

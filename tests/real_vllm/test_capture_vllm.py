@@ -170,7 +170,7 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
         sampling_params={"temperature": 0}, short_concurrency=4, short_max_tokens=40,
         read_timeout_s=600.0, extract_backend="captured", extract_dtype="float32",
         train_max_length=48, shard_samples=6, aux_layer_ids=list(AUX),
-        cap_to_window=False)  # rows past the window: the build's cut at 48 is checked below
+        cap_to_window=False)  # responses past the window: the connector's cut at 48
     stack.worker("short")
     stack.wait_workers(1)
 
@@ -181,9 +181,12 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     for rec in recs:  # every counted sample names its checked file and has its logprobs
         assert len(unpack_logprobs(rec["output_logprobs"])) == len(rec["output_ids"])
         path = run_dir / rec["states"]
-        assert capture.check_file(path, rec["prompt_ids"] + rec["output_ids"][:-1]) == \
-            rec["states_bytes"]
+        # the positions inside the window only: the connector copied none past 48
+        ids = rec["prompt_ids"] + rec["output_ids"][:-1]
+        assert capture.check_file(path, ids[:48]) == rec["states_bytes"]
         assert path.name == f"{rec['rid']}.safetensors"
+    # (responses ran past the window, which the files cut)
+    assert any(len(r["prompt_ids"]) + len(r["output_ids"]) - 1 > 48 for r in recs)
     assert not list((run_dir / "states" / "B1_cap").glob("*.lock"))  # the workers removed them
     ledger = Ledger.from_settings(settings)
     # budget_counts = "trainable": each sample counted with its tokens inside the window

@@ -4,7 +4,8 @@
 Each shard line names the file its committed record names, relative to the run's
 ``output_dir`` (``run_dir`` here: this host's mount of it) (datagen/servers/capture.py:
 ``input_ids`` [L], ``aux_hidden_state`` [L, 3H], ``hidden_state`` [L, H] post-norm, the last
-output id never an input and so not in it); files.prepare cut the sample to those ids and to
+output id never an input and so not in it, no position past the generation run's
+``train_max_length``); files.prepare cut the sample to those ids and to
 ``train_max_length``. This backend reads the kept positions only (safetensors slices), checks
 the ids, casts to ``extract_dtype`` and writes ``data_{idx}.ckpt`` through the Extractor's
 atomic write, loss mask from the record's prompt/output split; the Extractor keeps everything
@@ -81,6 +82,12 @@ class CapturedBackend:
             ids = fh.get_slice("input_ids")[:n]
             aux = fh.get_slice("aux_hidden_state")[:n]
             final = fh.get_slice("hidden_state")[:n]
+        if len(ids) < n:
+            raise ValueError(
+                f"{path.name}: {len(ids)} positions captured, the row needs {n}: the server "
+                f"kept the window of the generation run (train_max_length {len(ids)} or less) "
+                "and no position past it; a longer train_max_length needs the states "
+                "extracted again (extract_backend hf, vllm or sglang)")
         if ids.tolist() != sample.input_ids:
             raise ValueError(f"{path.name}: its ids are not the record's")
         if aux.shape != (n, self.n_aux * self.hidden) or final.shape != (n, self.hidden):
