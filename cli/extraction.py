@@ -309,7 +309,8 @@ def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
     rate, rate_source = ((0.0, "none needed: states captured while generating (capture_states)")
                          if captured else _tokens_per_s(settings, args))
     plan = estimate(tokens, hidden, layers, rate, args.gpus, DTYPE_BYTES[settings.extract_dtype],
-                    captured)
+                    captured, settings.keep_captured_states, settings.extract_writer_threads,
+                    settings.train_max_length)
     print(f"tokens: {source}\ntokens/s per GPU: {rate_source}")
     print(plan.text)
     for line in _generation_lines(settings, args, plan.total_tokens, rate):

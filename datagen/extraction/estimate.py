@@ -86,11 +86,17 @@ class Estimate:
     hours: float
     captured: bool = False
     states_bytes: int = 0  # the captured files under <output_dir>/states (capture only)
+    keep_states: bool = False  # keep_captured_states: the build leaves each captured file
+    in_flight_bytes: int = 0  # captured, freed: the rows being written (threads x window)
 
     @property
     def peak_bytes(self) -> int:
-        """The training folder and, with capture, the files it is built from."""
-        return self.total_bytes + self.states_bytes
+        """The training folder and, with capture, the files it is built from: both when they
+        are kept; freed, each row replaces its file once durable, so the larger total and the
+        rows the writer threads hold (BENCHMARKS.md, "Peak disk of the `captured` build")."""
+        if not self.captured or self.keep_states:
+            return self.total_bytes + self.states_bytes
+        return max(self.total_bytes, self.states_bytes) + self.in_flight_bytes
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -102,10 +108,13 @@ class Estimate:
 
 def estimate(tokens_by_dataset: Mapping[str, int], hidden_size: int, num_layers: int,
              tokens_per_s: float, n_gpus: int = 1, dtype_bytes: int = 2,
-             captured: bool = False) -> Estimate:
+             captured: bool = False, keep_states: bool = False,
+             rows_in_flight: int = 4, max_length: int = 2048) -> Estimate:
     """Plan a run: bytes and hours per dataset and in total. ``captured``: the states come
     from the generation pass (capture_states): no forward hours, ``tokens_per_s`` unused, and
-    the captured files counted apart (``states_bytes``)."""
+    the captured files counted apart (``states_bytes``); ``keep_states``
+    (keep_captured_states), ``rows_in_flight`` (extract_writer_threads) and ``max_length``
+    (train_max_length) give the peak of the build."""
     if n_gpus <= 0 or (tokens_per_s <= 0 and not captured):
         raise ValueError(f"tokens_per_s={tokens_per_s} and n_gpus={n_gpus} must be > 0")
     rate = tokens_per_s * n_gpus
@@ -127,6 +136,8 @@ def estimate(tokens_by_dataset: Mapping[str, int], hidden_size: int, num_layers:
         tokens_per_s_per_gpu=tokens_per_s, n_gpus=n_gpus, hours=hours(total),
         captured=captured,
         states_bytes=total * captured_bytes_per_token(hidden_size, dtype_bytes) if captured else 0,
+        keep_states=keep_states,
+        in_flight_bytes=estimate_bytes(rows_in_flight * max_length, hidden_size, dtype_bytes),
     )
 
 
@@ -162,15 +173,25 @@ def _captured_lines(est: Estimate) -> list[str]:
     return [
         f"states = {est.total_tokens:,} tokens x {per:,} B ((3 aux + 1 final) x H {h} x {d} B"
         f" + {CAPTURED_ID_BYTES} B ids) = {est.states_bytes:,} B = {_size(est.states_bytes)}",
-        "        captured under <output_dir>/states (at least: every position generated, "
-        "before train_max_length cuts)",
-        f"peak  = {_size(est.total_bytes)} + {_size(est.states_bytes)} = "
-        f"{_size(est.peak_bytes)} while the training folder is built from the captured files",
+        "        captured under <output_dir>/states (the positions inside train_max_length "
+        "only: the connector cuts there)",
+        _peak_line(est),
         "time  = 0 h of extraction forward: capture_states wrote the states while generating "
         "(the `captured` build step reads and rewrites them, disk-bound)",
         f"KV    = {(N_AUX + 1) * h * d:,} B per token of states beside the attention cache in "
         f"every generation server until its request ends: fewer requests fit",
     ]
+
+
+def _peak_line(est: Estimate) -> str:
+    if est.keep_states:
+        return (f"peak  = {_size(est.total_bytes)} + {_size(est.states_bytes)} = "
+                f"{_size(est.peak_bytes)}: the training folder and the captured files it is "
+                "built from (keep_captured_states = true keeps both)")
+    return (f"peak  = max({_size(est.total_bytes)} rows, {_size(est.states_bytes)} states) + "
+            f"{_size(est.in_flight_bytes)} of rows being written = {_size(est.peak_bytes)}: "
+            "each captured file is freed once its row is durable (keep_captured_states = "
+            "false)")
 
 
 def _existing_parent(path: Path) -> Path:

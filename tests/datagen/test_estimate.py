@@ -105,11 +105,19 @@ def test_capture_plans_no_forward_and_counts_the_captured_files_on_disk():
     assert plan.hours == 0 and all(d.hours == 0 for d in plan.datasets)
     assert plan.total_bytes == tokens * 57_360
     assert plan.states_bytes == tokens * (4 * 7168 * 2 + 8) == 7_885_900_000_000
-    assert plan.peak_bytes == plan.total_bytes + plan.states_bytes
+    # the build frees each file once its row is durable: the larger total, plus the rows
+    # the 4 writer threads hold (2,048 positions each)
+    assert plan.peak_bytes == plan.total_bytes + 4 * 2048 * 57_360
     text = plan.text
     assert "states = 137,500,000 tokens x 57,352 B" in text
-    assert "peak  = 7.89 TB + 7.89 TB = 15.77 TB" in text
+    assert "peak  = max(7.89 TB rows, 7.89 TB states) + 0.5 GB of rows being written = " \
+           "7.89 TB" in text
     assert "0 h of extraction forward" in text and "57,344 B per token" in text
+    # and with keep_captured_states both stay
+    kept = est.estimate(ORIGINAL_RUN, hidden_size=7168, num_layers=61, tokens_per_s=0,
+                        n_gpus=1, dtype_bytes=2, captured=True, keep_states=True)
+    assert kept.peak_bytes == plan.total_bytes + plan.states_bytes
+    assert "peak  = 7.89 TB + 7.89 TB = 15.77 TB" in kept.text
     # and without capture a rate is still required
     with pytest.raises(ValueError):
         est.estimate(ORIGINAL_RUN, 7168, 61, tokens_per_s=0)
@@ -121,4 +129,5 @@ def test_estimate_command_takes_capture_without_a_rate():
          "137500000", "--capture"], cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")})
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "none needed" in result.stdout and "peak  = 7.89 TB + 7.89 TB" in result.stdout
+    assert "none needed" in result.stdout and "= 7.89 TB: each captured file is freed" in \
+        result.stdout
