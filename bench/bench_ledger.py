@@ -263,12 +263,13 @@ def measure_caps(r: redis.Redis, ledger: Ledger, n: int, caps: str, fill: str,
 
 def scripts_of(r: redis.Redis, rev: str) -> dict[str, Any]:
     """The ledger's scripts as they are at git revision rev (for --before)."""
-    def show(name: str) -> str:
+    def show(name: str) -> str | None:
         out = subprocess.run(["git", "show", f"{rev}:datagen/generation/lua/{name}"], cwd=REPO,
-                             capture_output=True, text=True, check=True)
-        return out.stdout
+                             capture_output=True, text=True)
+        return out.stdout if out.returncode == 0 else None  # None: not there at rev
     lib = show("_lib.lua")
-    return {name: r.register_script(lib + "\n" + show(f"{name}.lua")) for name in Ledger.SCRIPTS}
+    return {name: r.register_script(f"{lib}\n{text}") for name in Ledger.SCRIPTS
+            if (text := show(f"{name}.lua")) is not None}
 
 
 def measure_old(r: redis.Redis, ledger: Ledger, scripts: dict[str, Any], n: int,

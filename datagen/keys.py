@@ -35,13 +35,15 @@ def worker_alive(worker_id: str) -> str:
 
 
 def worker_claims(worker_id: str) -> str:
-    """SET of JSON [dataset, sample] with a TTL of a lease, refreshed by the worker's
-    heartbeat: the samples its tasks run now, from the start of the task (right after the
-    early ack), before admission and between retries. A sweep leaves them alone."""
+    """HASH JSON [dataset, sample] -> 1, and "@at" -> the Redis time it was written, with a
+    TTL of a lease: what the worker's tasks run now (from the start of the task, right after
+    the early ack, to its end), written whole by each heartbeat (claims.lua). A sweep leaves
+    claimed samples alone."""
     return f"{PREFIX}claims:{worker_id}"
 
 
 CLAIMS_MATCH = PREFIX + "claims:*"
+CLAIMS_AT = "@at"
 
 
 # STRING owner id with a TTL of a second, dropped after the pass: the one process reaping

@@ -7,11 +7,11 @@ released in one place, ``Lease.__exit__``: when Redis cannot be reached then, th
 release is retried by the heartbeat (and, failing that, the lease simply goes stale).
 
 Before its admission, a task claims its sample in the book (``running``): the claim lasts
-the whole task, retries and their waits included, and is published for the sweep, which
-otherwise takes a sample between its early ack and its admission for one whose message was
-lost. A second copy of a sample in the same process (a sweep's, a reaper's) waits for the
-first to end: both would hold the same owner's entry, and admission lets an owner take its
-own entry over.
+the whole task, retries and their waits included, and each beat publishes the claims for the
+sweep, which otherwise takes a sample between its early ack and its admission for one whose
+message was lost. A second copy of a sample in the same process (a sweep's, a reaper's) waits
+for the first to end: both would hold the same owner's entry, and admission lets an owner
+take its own entry over.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ class LeaseBook:
     @contextmanager
     def running(self, dataset: str, sample: str) -> Iterator[bool]:
         """Claim a sample for one task, waiting while another task of this process runs it;
-        yields whether it waited. The claim is published for the sweep (and again by every
-        beat: one Redis could not take now is published by the next)."""
+        yields whether it waited. The heartbeat publishes the claims (``publish_claims``)."""
         key = (dataset, sample)
         waited = False
         with self._runs:
@@ -58,26 +57,17 @@ class LeaseBook:
                 self._runs.wait()
             self._running.add(key)
         try:
-            self._publish(dataset, sample, True)
             yield waited
         finally:
-            # withdrawn before a waiting copy may claim it: never after that copy's claim
-            self._publish(dataset, sample, False)
             with self._runs:
                 self._running.discard(key)
                 self._runs.notify_all()
 
-    def publish_claims(self) -> None:
-        """Publish every claim again, for another lease. No task claims meanwhile, so the
-        published set is never older than a claim published before it."""
+    def publish_claims(self) -> float:
+        """Publish every claim, for another lease (a task claimed meanwhile waits: the
+        publication holds every task started before its stamp)."""
         with self._runs:
-            self.ledger.publish_claims(self.owner, self._running)
-
-    def _publish(self, dataset: str, sample: str, running: bool) -> None:
-        try:
-            self.ledger.claim(self.owner, dataset, sample, running)
-        except LedgerUnavailable as exc:
-            log.debug("claim of %s/%s left to the next beat: %s", dataset, sample, exc)
+            return self.ledger.publish_claims(self.owner, self._running)
 
     def hold(self, dataset: str, sample: str, rid: str) -> Lease:
         with self._lock:

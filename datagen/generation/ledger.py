@@ -112,7 +112,7 @@ def owner_id(host: str, pid: int) -> str:
 
 
 class Ledger:
-    SCRIPTS = ("admit", "commit", "release", "renew", "reap", "unpark", "contact")
+    SCRIPTS = ("admit", "commit", "release", "renew", "reap", "unpark", "contact", "claims")
 
     def __init__(self, client: redis.Redis, settings: Settings):
         self.r = client
@@ -250,34 +250,32 @@ class Ledger:
                        args=args, client=pipe)
             return sum(int(x) for x in self._call(pipe.execute))
 
-    def claim(self, owner: str, dataset: str, sample: str, running: bool = True) -> None:
-        """Publish (or withdraw) one sample this owner's task runs now (keys.worker_claims)."""
-        key, member = keys.worker_claims(owner), json.dumps([dataset, sample])
-        with self.r.pipeline(transaction=False) as pipe:
-            if running:
-                pipe.sadd(key, member)
-                pipe.pexpire(key, int(self.settings.lease_s * 1000))
-            else:
-                pipe.srem(key, member)
-            self._call(pipe.execute)
-
-    def publish_claims(self, owner: str, running: Iterable[tuple[str, str]]) -> None:
-        """Replace this owner's published claims with ``running``, for another lease."""
-        key = keys.worker_claims(owner)
+    def publish_claims(self, owner: str, running: Iterable[tuple[str, str]]) -> float:
+        """Replace this owner's published claims with ``running``, for a lease; returns
+        the Redis time they were stamped with."""
         members = [json.dumps([dataset, sample]) for dataset, sample in running]
-        with self.r.pipeline() as pipe:
-            pipe.delete(key)
-            if members:
-                pipe.sadd(key, *members)
-                pipe.pexpire(key, int(self.settings.lease_s * 1000))
-            self._call(pipe.execute)
+        return float(self._run("claims", [keys.worker_claims(owner)],
+                               [int(self.settings.lease_s * 1000), *members]))
 
-    def claimed(self) -> set[tuple[str, str]]:
-        """Every (dataset, sample) a live worker's task runs now, whatever its stage."""
+    def claims(self) -> tuple[set[tuple[str, str]], dict[str, float]]:
+        """Every (dataset, sample) a worker's task runs now, by the workers' last
+        publications, and when each worker whose claims are up (a live worker's: they expire
+        a lease after its last beat) published them."""
         found: set[tuple[str, str]] = set()
+        stamps: dict[str, float] = {}
+        prefix = len(keys.worker_claims(""))
         for key in self.r.scan_iter(match=keys.CLAIMS_MATCH, count=1000):
-            found.update(tuple(json.loads(m)) for m in self.r.smembers(key))
-        return found
+            fields = self.r.hgetall(key)
+            if not fields:  # expired meanwhile
+                continue
+            stamps[key[prefix:]] = float(fields.pop(keys.CLAIMS_AT, 0.0))
+            found.update(tuple(json.loads(m)) for m in fields)
+        return found, stamps
+
+    def now(self) -> float:
+        """Redis's time (the clock of every stamp and lease)."""
+        seconds, micros = self.r.time()
+        return seconds + micros / 1e6
 
     def reap(self, dataset: str, min_contact_s: float = 0.0) -> list[Reclaimed]:
         """Reclaim the dataset's in-flight entries whose lease is stale, whoever owns them;

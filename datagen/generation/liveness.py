@@ -263,36 +263,86 @@ def queued_messages(ledger: Ledger, queues: tuple[str, ...] = ("short", "long"))
         return sum(int(x) for x in pipe.execute())
 
 
-def sweep(ledger: Ledger, requeue: Requeue) -> int:
-    """Re-enqueue pending samples that are nowhere: not queued, not in flight, not done;
-    parked samples of a dataset with nothing in flight are woken (nothing else will).
+def sweep(ledger: Ledger, requeue: Requeue, wait_s: float | None = None) -> int:
+    """Re-enqueue pending samples that are nowhere: not queued, not claimed by a worker's
+    task, not in flight, not done; parked samples of a dataset with nothing in flight are
+    woken (nothing else will). Returns how many.
 
-    Only sound when the generation queues are empty, so it checks that first: a
-    message lost between an early ack and the in-flight entry (a worker killed in
-    that instant) is found here at the end of a run. A sample a live worker's task
-    claims (taken, not yet admitted, or between retries) is not lost. The reads follow
-    a sample's life (queued, claimed, in flight, done), so one moving on meanwhile is
-    seen in a later read.
+    Only sound when the generation queues are empty, so it checks that first: a message
+    lost between an early ack and the in-flight entry (a worker killed in that instant) is
+    found here at the end of a run. A task claims its sample from its start to its end, and
+    every beat publishes its worker's claims: a sample found nowhere is re-enqueued only once
+    every live worker has published since the sweep looked (a task taken before then, on a
+    loaded host still short of its admission, is in that publication) and it is still
+    nowhere. Waits up to ``wait_s`` (default a lease) for those beats; 0 when they do not
+    come. The reads follow a sample's life (queued, claimed, in flight, done), so one moving
+    on meanwhile is seen in a later read.
     """
     if queued_messages(ledger):
         return 0
-    claimed = ledger.claimed()
+    since = ledger.now()
+    woken = _wake_parked(ledger, requeue)
+    if woken:  # queued now: a later sweep looks for the lost ones
+        log.warning("sweep woke %d parked samples of datasets with nothing in flight", woken)
+        return woken
+    lost = _nowhere(ledger)
+    if not lost or not _published_since(
+            ledger, since, ledger.settings.lease_s if wait_s is None else wait_s):
+        return 0
+    if queued_messages(ledger):
+        return 0
+    still = _nowhere(ledger)
     count = 0
-    for dataset in ledger.datasets():
-        if ledger.closed(dataset):
-            continue
-        in_flight = ledger.in_flight(dataset)
-        woken = [Job.from_payload(json.loads(p)) for p in
-                 (ledger.unpark(dataset) if not in_flight else [])]
-        for job in woken:
-            requeue(job)
-        count += len(woken)
-        skip = (set(in_flight) | ledger.done_ids(dataset) | ledger.parked(dataset)
-                | {job.sample for job in woken} | {s for d, s in claimed if d == dataset})
-        for sample, payload in ledger.pending(dataset).items():
-            if sample not in skip:
+    for dataset, payloads in lost.items():
+        for sample, payload in payloads.items():
+            if sample in still.get(dataset, {}):
                 requeue(Job.from_payload(json.loads(payload)))
                 count += 1
     if count:
-        log.warning("sweep re-enqueued %d samples whose messages were lost or that waited", count)
+        log.warning("sweep re-enqueued %d samples whose messages were lost", count)
     return count
+
+
+SWEEP_POLL_S = 0.05
+
+
+def _wake_parked(ledger: Ledger, requeue: Requeue) -> int:
+    count = 0
+    for dataset in ledger.datasets():
+        if ledger.closed(dataset) or ledger.in_flight(dataset):
+            continue
+        for payload in ledger.unpark(dataset):
+            requeue(Job.from_payload(json.loads(payload)))
+            count += 1
+    return count
+
+
+def _nowhere(ledger: Ledger) -> dict[str, dict[str, str]]:
+    """Per open dataset, the pending samples (and their payloads) that are not claimed, in
+    flight, done or parked."""
+    claimed, _ = ledger.claims()
+    out: dict[str, dict[str, str]] = {}
+    for dataset in ledger.datasets():
+        if ledger.closed(dataset):
+            continue
+        skip = (set(ledger.in_flight(dataset)) | ledger.done_ids(dataset)
+                | ledger.parked(dataset) | {s for d, s in claimed if d == dataset})
+        found = {s: p for s, p in ledger.pending(dataset).items() if s not in skip}
+        if found:
+            out[dataset] = found
+    return out
+
+
+def _published_since(ledger: Ledger, since: float, wait_s: float) -> bool:
+    """Whether every live worker published its claims after ``since`` (Redis time), waiting
+    up to ``wait_s`` for their beats."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        _, stamps = ledger.claims()
+        if all(at >= since for at in stamps.values()):
+            return True
+        if time.monotonic() >= deadline:
+            log.info("sweep: %d workers did not publish their claims within %.1fs; "
+                     "looking again later", sum(at < since for at in stamps.values()), wait_s)
+            return False
+        time.sleep(SWEEP_POLL_S)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -257,29 +259,74 @@ def test_a_second_copy_of_a_running_sample_in_the_same_worker_waits_and_finds_it
     assert led.snapshot("A")["stats"]["samples"] == 1
 
 
+@contextmanager
+def beating(beat: Heartbeat) -> Iterator[None]:
+    """The worker's heartbeat, beating as fast as it can until the block ends."""
+    import threading
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            beat.beat()
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
 def test_a_sweep_leaves_a_claimed_sample_alone_until_its_worker_ends_it_or_dies(
-        redis_url: str) -> None:
-    # Given: a pending sample with no message queued and nothing in flight, whose task a
-    # worker has taken (acked early) but not yet admitted: it claims the sample
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a pending sample with no message queued and nothing in flight, whose task a live
+    # worker has taken (acked early) but not yet admitted: the task claims it, and no beat
+    # has published that claim yet when the sweep looks
+    import threading
+
+    from datagen.generation import liveness
     from datagen.generation.liveness import sweep
 
     ctx, led, job, beat = worker_with_one_task(redis_url, {"ok": True})
+    beat.beat()  # the worker is up: its presence and its (empty) claims published
+    looked = threading.Event()
+    published_since = liveness._published_since
+
+    def noted(*args: Any) -> bool:
+        looked.set()  # the sweep found the sample nowhere and waits for the beats
+        return published_since(*args)
+
+    monkeypatch.setattr(liveness, "_published_since", noted)
     requeued: list[Job] = []
+    out: list[int] = []
     with ctx.leases.running("A", "s1"):
-        # Then: the sweep takes it for a running task, not for a lost message
-        assert sweep(led, requeued.append) == 0
-        # and a beat publishes the claim again when Redis lost it
-        led.r.delete(keys.worker_claims("w1"))
-        beat.beat()
-        assert sweep(led, requeued.append) == 0
+        sweeping = threading.Thread(target=lambda: out.append(sweep(led, requeued.append, 60)))
+        sweeping.start()
+        assert looked.wait(60)
 
-    # When: the task ends without admitting it, then Then: the sweep gives it back
-    assert sweep(led, requeued.append) == 1 and requeued == [job]
+        # When: the worker's next beats come
+        with beating(beat):
+            sweeping.join(60)
 
-    # And: a worker that dies holding a claim holds it one lease at most (its key's TTL; the
-    # expiry is what the delete below does)
-    led.claim("w2", "A", "s1")
-    assert sweep(led, requeued.append) == 0
+        # Then: the sweep saw the claim in them and re-enqueued nothing
+        assert out == [0] and requeued == []
+
+    # When: the task ended without admitting it, Then: the sweep gives the sample back
+    with beating(beat):
+        assert sweep(led, requeued.append, 60) == 1 and requeued == [job]
+
+    # And: a live worker that does not beat holds a sweep back (it looks again later)
+    looked.clear()
+    assert sweep(led, requeued.append, 0.2) == 0 and looked.is_set()
+
+    # And: a dead worker's claims hold one lease at most (their TTL; the expiry is what the
+    # deletes below do), and a sweep waits for no worker whose claims are gone
+    led.r.delete(keys.worker_claims("w1"))
+    led.publish_claims("w2", [("A", "s1")])
+    assert sweep(led, requeued.append, 60) == 0
     assert 0 < led.r.pttl(keys.worker_claims("w2")) <= led.settings.lease_s * 1000
     led.r.delete(keys.worker_claims("w2"))
-    assert sweep(led, requeued.append) == 1 and requeued == [job, job]
+    assert sweep(led, requeued.append, 60) == 1 and requeued == [job, job]
