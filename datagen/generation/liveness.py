@@ -272,11 +272,12 @@ def sweep(ledger: Ledger, requeue: Requeue, wait_s: float | None = None) -> int:
     lost between an early ack and the in-flight entry (a worker killed in that instant) is
     found here at the end of a run. A task claims its sample from its start to its end, and
     every beat publishes its worker's claims: a sample found nowhere is re-enqueued only once
-    every live worker has published since the sweep looked (a task taken before then, on a
-    loaded host still short of its admission, is in that publication) and it is still
-    nowhere. Waits up to ``wait_s`` (default a lease) for those beats; 0 when they do not
-    come. The reads follow a sample's life (queued, claimed, in flight, done), so one moving
-    on meanwhile is seen in a later read.
+    every worker whose claims are up (they expire a lease after its last beat) has published
+    since the sweep looked (a task taken before then, on a loaded host still short of its
+    admission, is in that publication) and it is still nowhere. Waits up to ``wait_s``
+    (default a lease) for those beats; 0 when they do not come. The reads follow a sample's
+    life (queued, claimed, in flight, done), so one moving on meanwhile is seen in a later
+    read.
     """
     if queued_messages(ledger):
         return 0
@@ -334,8 +335,8 @@ def _nowhere(ledger: Ledger) -> dict[str, dict[str, str]]:
 
 
 def _published_since(ledger: Ledger, since: float, wait_s: float) -> bool:
-    """Whether every live worker published its claims after ``since`` (Redis time), waiting
-    up to ``wait_s`` for their beats."""
+    """Whether every worker whose claims are up published them after ``since`` (Redis time),
+    waiting up to ``wait_s`` for their beats (a dead worker's expire meanwhile)."""
     deadline = time.monotonic() + wait_s
     while True:
         _, stamps = ledger.claims()
