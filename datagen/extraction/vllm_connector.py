@@ -122,9 +122,9 @@ class DatagenConnector(ExampleHiddenStatesConnector):
         delay, params = super().request_finished(request, block_ids)
         pending = self._pending_saves.get(request.request_id)
         if pending is not None:  # these travel to the worker with the pending save
-            params = request.kv_transfer_params or {}
-            pending.loss_spans = [list(map(int, s)) for s in params.get("loss_spans") or []]
-            pending.keep_positions = int(params.get("keep_positions") or 0)
+            sent = request.kv_transfer_params or {}
+            pending.loss_spans = [list(map(int, s)) for s in sent.get("loss_spans") or []]
+            pending.keep_positions = int(sent.get("keep_positions") or 0)
         if delay:
             self._held.add(request.request_id)
         return delay, params
