@@ -283,3 +283,19 @@ def test_bench_state_check_times_the_check_per_sample(tmp_path: Path) -> None:
     assert [(r["shape"], r["positions"]) for r in rows] == [("tiny", 4), ("tiny", 8)]
     assert all(r["median_s"] > 0 and r["gflop"] > 0 for r in rows)
     assert "| tiny (512 x 128) | cpu | 8 |" in result.stdout
+
+
+def test_bench_capture_disk_builds_kept_and_freed_side_by_side(tmp_path: Path) -> None:
+    out = tmp_path / "capture_disk.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_capture_disk.py", "--samples", "20", "--positions", "64",
+         "--hidden", "64", "--dir", str(tmp_path / "work"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    kept, freed = json.loads(out.read_text())["runs"]
+    assert kept["keep_captured_states"] and not freed["keep_captured_states"]
+    # kept: the files and the rows stay; freed: the rows and a mark per file
+    assert kept["left_bytes"] >= kept["states_bytes"] + kept["rows_bytes"]
+    assert freed["left_bytes"] < freed["states_bytes"] + freed["rows_bytes"]
+    assert all(r["peak_bytes"] >= r["rows_bytes"] > 0 for r in (kept, freed))
+    assert "| keep_captured_states |" in result.stdout
