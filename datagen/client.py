@@ -263,10 +263,14 @@ class SGLangClient:
             socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
         except ConnectionRefusedError:
             return True
-        except socket.gaierror as exc:
-            # A resolver that did not answer in time (EAI_AGAIN: Podman's and Docker's DNS on
-            # a loaded host) says nothing of the server's host; a name that is unknown does.
-            return exc.errno == socket.EAI_AGAIN
+        except socket.gaierror:
+            # No verdict on the server's host: a container network's DNS (Podman's
+            # aardvark-dns) on a loaded host answers EAI_AGAIN, and EAI_NONAME for seconds
+            # about a container that is up (a fresh-clone CI: "sglang" unknown for 4.6 s).
+            # A request that cannot resolve is never sent, and those in flight go on over
+            # their connections; taken for a cut, their leases would end and they would run
+            # twice (stored twice, counted once).
+            return True
         except OSError:  # timed out, no route to the host
             return False
         return True

@@ -240,14 +240,15 @@ def test_requests_waiting_on_a_lost_server_are_dropped_at_once_and_reset() -> No
 
 @pytest.mark.parametrize(("error", "reachable"), [
     (socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"), True),
-    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), False),
+    (socket.gaierror(socket.EAI_NONAME, "Name or service not known"), True),
     (TimeoutError("timed out"), False),
     (ConnectionRefusedError(111, "Connection refused"), True)])
 def test_a_resolver_that_did_not_answer_in_time_is_no_verdict_on_the_server_s_host(
         monkeypatch: pytest.MonkeyPatch, error: OSError, reachable: bool) -> None:
-    # A container network's DNS (Podman's aardvark-dns) may answer EAI_AGAIN on a loaded
-    # host: taken as "host gone", the worker would end its leases and its samples would run
-    # twice (stored twice, counted once).
+    # A container network's DNS (Podman's aardvark-dns) may answer EAI_AGAIN, or EAI_NONAME
+    # for seconds, about a container that is up, on a loaded host: taken as "host gone", the
+    # worker would end its leases and its samples would run twice (stored twice, counted
+    # once: 12 of 120 in a fresh-clone CI)
     def connect(*args: object, **kwargs: object) -> None:
         raise error
 
