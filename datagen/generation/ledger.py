@@ -436,8 +436,7 @@ class Ledger:
     def tokens_per_s(self, dataset: str, window_s: float = 60.0) -> float | None:
         """Committed tokens per second over the last ``window_s`` (None: no commits in it).
         The points carry Redis time (commit.lua), so the window is read in Redis time too."""
-        sec, usec = self.r.time()
-        now = sec + usec / 1e6
+        now = self.now()
         points = self.r.zrangebyscore(self.k(dataset, keys.PROGRESS), now - window_s, "+inf")
         if not points:
             return None

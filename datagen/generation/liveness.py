@@ -50,6 +50,8 @@ RETRY_BEAT_S = 0.5
 # While it holds requests, a worker checks this often that it can reach its server (a TCP
 # connection, nothing asked of the server).
 SERVER_PROBE_S = 1.0
+# A sweep waiting for the workers' claims (their beats) reads them this often.
+SWEEP_POLL_S = 0.05
 
 
 class Heartbeat:
@@ -302,9 +304,6 @@ def sweep(ledger: Ledger, requeue: Requeue, wait_s: float | None = None) -> int:
     if count:
         log.warning("sweep re-enqueued %d samples whose messages were lost", count)
     return count
-
-
-SWEEP_POLL_S = 0.05
 
 
 def _wake_parked(ledger: Ledger, requeue: Requeue) -> int:
