@@ -28,8 +28,9 @@ from datagen.generation.ledger import Ledger
 from datagen.generation.merge import datasets_on_disk
 from datagen.generation.recovery import needs_rebuild, rebuild_dataset
 from datagen.generation.window import cap_share, room
-from datagen.operations.progress import Progress, count_lines
+from datagen.operations.progress import Progress
 from datagen.tokenization.chat import ChatEncoder
+from producers.files import count_rows, dataset_files
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class Producer:
         store = PromptStore(self.settings.output_dir, dataset)
         epoch = self.ledger.epoch(dataset)
         started = time.monotonic()
-        progress = Progress(f"produce {dataset}", count_lines(_jsonl_files(path)), "prompts")
+        progress = Progress(f"produce {dataset}", count_rows(dataset_files(path)), "prompts")
         try:
             # One Redis pipeline per batch of messages (kombu 5.7's Producer.batch), not
             # one round trip and one client object per message.
@@ -370,10 +371,6 @@ class Producer:
         path = Path(self.settings.output_dir) / REPORTS_DIR / f"{report.dataset}.bad.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def _jsonl_files(path: Path) -> list[Path]:
-    return [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
 
 
 @contextmanager

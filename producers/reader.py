@@ -1,7 +1,9 @@
 """Read prompt datasets from a partition folder, one normalised prompt at a time.
 
-A partition holds one entry per dataset: a folder of `*.jsonl` files (read recursively, in sorted
-path order) or a single `<name>.jsonl` file. Each line is one JSON object in one of four shapes:
+A partition holds one entry per dataset: a folder of data files (read recursively, in sorted
+path order) or a single data file, `<name>.jsonl`, `<name>.jsonl.gz`, `<name>.jsonl.zst` or
+`<name>.parquet` (``producers.files`` reads each form as a stream). Each line, or parquet row,
+is one record in one of four shapes:
 
     OpenAI     {"messages": [{"role": "user", "content": "..."}], "tools": [...], "id": ...}
     ShareGPT   {"conversations": [{"from": "human", "value": "..."}], "tools": "[...]"}
@@ -12,10 +14,11 @@ Agent turns (``tools``, assistant ``tool_calls`` and ``reasoning_content``, ``to
 multi-part content, ShareGPT's ``function_call``/``observation``) are read into one model,
 ``datagen.conversation``'s normalised OpenAI messages. A trailing assistant turn is dropped:
 it is the answer the target model regenerates; the prompt then ends on a user or a tool turn.
-Every line that cannot become a prompt is reported as a `BadRecord` naming its file and line,
-and reading goes on with the next line. Files are read in binary and decoded line by line, so
-memory does not grow with the text (only an index of 64-bit digests, ~130 bytes a record, to
-catch duplicates); one line with bad bytes costs one record, not the file.
+Every record that cannot become a prompt is reported as a `BadRecord` naming its file and line
+(a parquet row: its index in the file), and reading goes on with the next one. JSON lines are
+read in binary and decoded one at a time, so memory does not grow with the text (only an index
+of 64-bit digests, ~130 bytes a record, to catch duplicates); one line with bad bytes costs one
+record, not the file. A parquet row reaches the same code as the dict pyarrow makes of it.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from datagen.conversation import (
     PROMPT_ENDS,
@@ -40,6 +43,7 @@ from datagen.conversation import (
     text_of,
     tools_of,
 )
+from producers.files import Row, Unreadable, dataset_files, dataset_name, form_of, numbered_rows
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +53,8 @@ logger = logging.getLogger(__name__)
 DATASET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 SAFE_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 ID_KEYS = ("id", "sample_id", "uuid")
-# A line longer than this is reported and skipped without being held in memory; a real prompt
-# of this size would be far beyond any model's context anyway.
-MAX_LINE_BYTES = 16 * 1024 * 1024
+# The record keys the shapes read: a parquet file's other columns are never loaded.
+RECORD_KEYS = ("messages", "conversations", "prompt", "system", "tools", *ID_KEYS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class BadRecord:
 
     dataset: str
     path: str
-    line: int  # 1-based
+    line: int  # a line from 1; a parquet row's index from 0
     reason: str
 
     def __str__(self) -> str:
@@ -135,11 +138,12 @@ def _scan_partition(partition_dir: Path) -> dict[str, Path]:
             continue  # editor, VCS and metadata files
         if entry.is_dir():
             name = entry.name
-            if not _jsonl_files(entry):
-                logger.warning("skipping %s: no .jsonl files in it", entry)
+            if not dataset_files(entry):
+                logger.warning("skipping %s: no data files (.jsonl, .jsonl.gz, .jsonl.zst, "
+                               ".parquet) in it", entry)
                 continue
-        elif entry.suffix == ".jsonl":
-            name = entry.stem
+        elif form_of(entry) is not None:
+            name = dataset_name(entry)
         else:
             continue
         _check_name(name, f"in partition {partition_dir}")
@@ -162,16 +166,6 @@ def _parse_selection(selection: str | Sequence[str]) -> list[str] | None:
     return names
 
 
-def _jsonl_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    files = (
-        f for f in path.rglob("*.jsonl")
-        if f.is_file() and not any(p.startswith(".") for p in f.relative_to(path).parts)
-    )
-    return sorted(files, key=lambda f: f.relative_to(path).as_posix())
-
-
 def read_dataset(name: str, path: Path) -> Iterator[Prompt | BadRecord]:
     """Yield every line of a dataset as a Prompt or a BadRecord, in file and line order.
 
@@ -180,30 +174,9 @@ def read_dataset(name: str, path: Path) -> Iterator[Prompt | BadRecord]:
     """
     _check_name(name, f"for {path}")
     seen = _SeenIndex()
-    for file in _jsonl_files(Path(path)):
-        for line_no, raw in _numbered_lines(file):
-            yield _parse_line(name, file, line_no, raw, seen)
-
-
-def _numbered_lines(file: Path) -> Iterator[tuple[int, bytes | None]]:
-    """(1-based line number, bytes) for each non-blank line; None stands for an oversized line."""
-    with file.open("rb") as fh:
-        line_no = 0
-        while True:
-            raw = fh.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            line_no += 1
-            if len(raw) > MAX_LINE_BYTES:
-                _skip_rest_of_line(fh, raw)
-                yield line_no, None
-            elif raw.strip():
-                yield line_no, raw[3:] if line_no == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
-
-
-def _skip_rest_of_line(fh: BinaryIO, chunk: bytes) -> None:
-    while chunk and not chunk.endswith(b"\n"):
-        chunk = fh.readline(MAX_LINE_BYTES)
+    for file in dataset_files(Path(path)):
+        for line_no, row in numbered_rows(file, RECORD_KEYS):
+            yield _parse_line(name, file, line_no, row, seen)
 
 
 class _SeenIndex:
@@ -244,10 +217,10 @@ def _digest64(data: bytes) -> int:
 
 
 def _parse_line(
-    dataset: str, file: Path, line_no: int, raw: bytes | None, seen: _SeenIndex
+    dataset: str, file: Path, line_no: int, row: Row, seen: _SeenIndex
 ) -> Prompt | BadRecord:
     try:
-        record = _load_object(raw)
+        record = _load_object(row)
         messages, answer, tools = _conversation(record)
         canonical = _canonical(messages, tools)
         own_id = _record_id(record)
@@ -260,9 +233,11 @@ def _parse_line(
     return Prompt(dataset, sample_id, messages, f"{file}:{line_no}", tools, answer)
 
 
-def _load_object(raw: bytes | None) -> dict[str, Any]:
-    if raw is None:
-        raise _Invalid(f"line longer than {MAX_LINE_BYTES} bytes")
+def _load_object(raw: Row) -> dict[str, Any]:
+    if isinstance(raw, Unreadable):
+        raise _Invalid(raw.reason)
+    if isinstance(raw, dict):
+        return raw  # a parquet row
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -346,7 +321,12 @@ def _canonical(messages: tuple[Message, ...], tools: tuple[Any, ...] | None) -> 
     body: Any = [core(m) for m in messages]
     if tools:
         body = {"messages": body, "tools": list(tools)}
-    text = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    try:
+        text = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        # A parquet column of a type JSON has not (bytes, a timestamp): the prompt store and
+        # the training rows are JSON.
+        raise _Invalid(f"a value JSON cannot hold ({exc})") from None
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:

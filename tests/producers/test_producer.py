@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import redis
+import zstandard
 from conftest import write_jsonl
 
 from cli.stack import REPO
@@ -183,6 +188,44 @@ def test_a_second_producer_run_enqueues_only_what_is_not_queued_or_done(
     assert second.returncode == 0, second.stderr
     assert _queued(client) == 7
     assert "B1" in second.stdout and " 2 " in second.stdout.splitlines()[1]
+
+
+def test_a_dataset_in_parquet_gz_and_zst_resumes_by_sample_id_in_any_form(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    # Given: a dataset as a parquet file, a .jsonl.gz and a .jsonl.zst, rows without ids
+    # (their ids are digests of their messages), one bad line in the .zst
+    rows = [{"messages": [{"role": "user", "content": f"question {i}"}]} for i in range(7)]
+    folder = tmp_path / "partition" / "B1"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows[:3]), folder / "a.parquet")
+    (folder / "b.jsonl.gz").write_bytes(gzip.compress(_lines(rows[3:5])))
+    (folder / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        _lines(rows[5:6]) + b"{not json\n"))
+    # When: the producer runs
+    first = _produce(tmp_path, redis_url, tokenizer_dir)
+    # Then: every good row is queued, the bad line reported by file and line
+    assert first.returncode == 3, first.stderr
+    report = (tmp_path / "out" / "reports" / "B1.bad.txt").read_text()
+    assert report.startswith(f"{folder / 'c.jsonl.zst'}:2: invalid JSON")
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    queued = set(client.hkeys("dg:ds:B1:pending"))
+    assert len(queued) == _queued(client) == 6
+    # Given: one sample done meanwhile, and the dataset re-published as one parquet file
+    # (rows in another order, one row added, the bad line mended)
+    client.hset("dg:ds:B1:done", sorted(queued)[0], "rid 10")
+    shutil.rmtree(folder)
+    pq.write_table(pa.Table.from_pylist(rows[::-1]), tmp_path / "partition" / "B1.parquet")
+    # When: the producer runs again
+    second = _produce(tmp_path, redis_url, tokenizer_dir)
+    # Then: only the added row is new: samples are known by id, never by file or position
+    assert second.returncode == 0, second.stderr
+    assert _queued(client) == 7
+    (added,) = set(client.hkeys("dg:ds:B1:pending")) - queued
+    assert json.loads(client.hget("dg:ds:B1:pending", added))["sample"] == added
+
+
+def _lines(rows: list[dict]) -> bytes:
+    return b"".join(json.dumps(row).encode() + b"\n" for row in rows)
 
 
 def test_unknown_dataset_name_is_a_clear_error(tmp_path: Path, redis_url: str,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from producers import reader
+from producers import files, reader
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo" / "partition"
@@ -176,7 +176,7 @@ def test_utf8_bom_on_first_line_is_accepted(tmp_path: Path) -> None:
 def test_oversized_line_is_reported_without_loading_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(reader, "MAX_LINE_BYTES", 64)
+    monkeypatch.setattr(files, "MAX_LINE_BYTES", 64)
     big = {"prompt": "x" * 500}
     path = write_lines(tmp_path / "d.jsonl", [big, {"prompt": "short"}])
     bad, good = read_all(path)
