@@ -29,7 +29,7 @@ from datagen.generation.merge import datasets_on_disk
 from datagen.generation.recovery import needs_rebuild, rebuild_dataset
 from datagen.generation.window import cap_share, room
 from datagen.operations.progress import Progress
-from datagen.tokenization.chat import ChatEncoder
+from datagen.tokenization.chat import ChatEncoder, ChatTemplateError, HistoryRewritten
 from producers.files import count_rows, dataset_files
 from producers.reader import BadRecord, Prompt, discover_datasets, read_dataset
 
@@ -40,6 +40,11 @@ REBUILD_LOCK_S = 600
 REPORTS_DIR = "reports"
 # A prompt's first prompt ids, and the template's ids before each later assistant turn.
 Encoded = tuple[list[int], list[list[int]]]
+# The chat regenerate = "all" is tried on before a run: how a template writes an earlier turn
+# back does not depend on the words.
+TWO_TURNS = ({"role": "user", "content": "First question?"},
+             {"role": "assistant", "content": "First answer."},
+             {"role": "user", "content": "Second question?"})
 
 
 @dataclass
@@ -146,6 +151,18 @@ def server_limits(settings: Settings) -> Limits:
                   "the context_length setting")
 
 
+def refuse_rewritten_history(settings: Settings, encoder: ChatEncoder) -> None:
+    """regenerate = "all" refused up front, nothing enqueued, for a template that rewrites
+    earlier assistant turns (``ChatEncoder.encode_turns``): every line would be refused."""
+    try:
+        encoder.encode_turns(TWO_TURNS)
+    except HistoryRewritten as exc:
+        raise SettingsError(f"regenerate: {exc} (the chat template of tokenizer_path "
+                            f"{settings.tokenizer_path}); nothing enqueued") from exc
+    except ChatTemplateError:
+        pass  # the template refuses this chat itself: each line's own check says why
+
+
 class Producer:
     def __init__(self, settings: Settings, app: Celery, ledger: Ledger):
         self.settings = settings
@@ -153,6 +170,8 @@ class Producer:
         self.ledger = ledger
         self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs,
                                    settings.trust_remote_code)
+        if settings.regenerate == "all":
+            refuse_rewritten_history(settings, self.encoder)
         self.limits = server_limits(settings)
 
     def run(self) -> list[DatasetReport]:

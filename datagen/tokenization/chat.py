@@ -24,6 +24,10 @@ Tools = Sequence[Any] | None
 
 # Stands for a generated assistant turn while the template renders what follows it.
 TURN_SENTINEL = "<<datagen:generated-turn>>"
+# The markers a thinking model writes around its reasoning; with any string the template
+# splits text on, they go into the turn the history check writes back (HistoryProbe).
+THINK_MARKERS = ("<think>", "</think>")
+SPLIT_METHODS = ("split", "rsplit", "partition", "rpartition")
 MEDIA_WORDS = ("image", "audio", "video", "vision")
 
 
@@ -35,16 +39,57 @@ class ChatTemplateError(ValueError):
         self.index = index
 
 
+class HistoryRewritten(ChatTemplateError):
+    """The template writes a generated turn into the history otherwise than verbatim, so
+    ``regenerate = "all"`` cannot be exact with it, whatever the conversation."""
+
+
+def _parse(template: str) -> Any:
+    import jinja2
+
+    try:
+        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return None
+
+
+def split_markers(template: str) -> list[str]:
+    """The strings a template splits text on (Qwen3's and DeepSeek-R1's ``content.split(
+    '</think>')[-1]``, which drops an earlier turn's reasoning)."""
+    from jinja2 import nodes
+
+    tree = _parse(template)
+    found = [] if tree is None else [
+        call.args[0].value for call in tree.find_all(nodes.Call)
+        if isinstance(call.node, nodes.Getattr) and call.node.attr in SPLIT_METHODS
+        and call.args and isinstance(call.args[0], nodes.Const)
+        and isinstance(call.args[0].value, str) and call.args[0].value]
+    return list(dict.fromkeys(found))
+
+
+def history_probes(template: str) -> tuple[dict[str, Any], ...]:
+    """A generated assistant turn as a client writes it back into the history, each way it
+    may: the model's text whole (the reasoning markers inside it, the whitespace a model may
+    put around it), and the server's split (``reasoning_content`` beside the answer). A
+    template that renders either otherwise than its generation prompt followed by the
+    content verbatim rewrites earlier turns: thinking dropped (a split on ``</think>``, a
+    reasoning_content rendered), whitespace trimmed (``| trim``)."""
+    markers = [m for m in split_markers(template) if m not in THINK_MARKERS]
+    raw = (f"\n{THINK_MARKERS[0]}\nreasoning\n{THINK_MARKERS[1]}\n\n"
+           f"{''.join(m + ' ' for m in markers)}{TURN_SENTINEL}\n")
+    return ({"role": "assistant", "content": raw},
+            {"role": "assistant", "content": f" {TURN_SENTINEL}\n",
+             "reasoning_content": "\nreasoning\n"})
+
+
 def content_format(template: str) -> str:
     """"openai" when the template loops over a message's content parts, else "string"."""
     if any(word in template for word in MEDIA_WORDS):
         return "openai"  # SGLang's shortcut: a multimodal template reads parts
-    import jinja2
     from jinja2 import nodes
 
-    try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateSyntaxError:
+    tree = _parse(template)
+    if tree is None:
         return "string"
     for loop in tree.find_all(nodes.For):
         target = loop.iter
@@ -83,6 +128,7 @@ class ChatEncoder:
                                  "eos token")
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         self.content_format = content_format(template)
+        self.history_probes = history_probes(template)
         self.eos_token_id: int = int(self._tokenizer.eos_token_id)
         # len() counts added tokens too, which is what an embedding table must cover.
         self.vocab_size: int = len(self._tokenizer)
@@ -108,8 +154,9 @@ class ChatEncoder:
 
         Refused (ChatTemplateError) where that cannot be exact: a conversation with tool calls
         or results (a regenerated call no longer matches the recorded result), and a template
-        that renders an assistant turn in the history otherwise than its generation prompt
-        followed by the turn (a thinking template that drops the reasoning of earlier turns).
+        that writes a generated turn into the history otherwise than its generation prompt
+        followed by the turn verbatim (``HistoryRewritten``; ``history_probes``: a thinking
+        template that drops the reasoning of earlier turns, one that trims their text).
         """
         chat = [dict(m) for m in messages]
         if any(TURN_SENTINEL in text_of(m.get("content") or "") for m in chat):
@@ -119,26 +166,31 @@ class ChatEncoder:
                                     "with tool calls or results (a regenerated call no longer "
                                     "matches its recorded result); use regenerate = 'each'")
         cuts = [i for i, m in enumerate(chat) if m["role"] == "assistant"]
-        generated = [{"role": "assistant", "content": TURN_SENTINEL} if m["role"] == "assistant"
-                     else m for m in chat]
+        written_back = [[probe if m["role"] == "assistant" else m for m in chat]
+                        for probe in self.history_probes]
         first = self.encode(chat[:cuts[0]] if cuts else chat, tools)
         between = []
         for n, cut in enumerate(cuts):
             end = cuts[n + 1] if n + 1 < len(cuts) else len(chat)
-            text = self.render(generated[:end], tools)
-            self._check_history(generated[:cut], text, n + 1, tools)
-            after = text[text.rindex(TURN_SENTINEL) + len(TURN_SENTINEL):]
-            between.append(self.tokens(after))
+            after = [self._after_turn(history[:end], cut, n + 1, tools)
+                     for history in written_back]
+            between.append(self.tokens(after[0]))
         return first, between
 
-    def _check_history(self, before: Chat, text: str, turn: int, tools: Tools) -> None:
-        """The template writes a generated turn into the history as its generation prompt
-        followed by the turn's ids, or the concatenated ids are not what it would render."""
-        if text[:text.rindex(TURN_SENTINEL)] != self.render(before, tools):
-            raise ChatTemplateError(
+    def _after_turn(self, history: Chat, cut: int, turn: int, tools: Tools) -> str:
+        """What the template writes after the generated turn at ``cut``: the prompt then
+        holds that turn's generation prompt and its text verbatim, or the ids a worker
+        concatenates are not what the template (and the server) would render."""
+        text = self.render(history, tools)
+        verbatim = self.render(history[:cut], tools) + history[cut]["content"]
+        if not text.startswith(verbatim):
+            raise HistoryRewritten(
                 f"regenerate = 'all' cannot be exact with this template: it renders assistant "
                 f"turn {turn} in the history otherwise than its generation prompt followed by "
-                "the turn (thinking dropped from earlier turns?); use regenerate = 'each'")
+                "the turn verbatim (thinking dropped from earlier turns: a split on "
+                "</think>, a reasoning_content rendered; text trimmed?); use regenerate = "
+                "'each'")
+        return text[len(verbatim):]
 
     def render_conversation(self, messages: Chat, tools: Tools = None) -> str:
         """The whole conversation's text, its last turn included: no generation prompt (what

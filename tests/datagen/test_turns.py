@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,12 @@ from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
 from datagen.client import Generation
 from datagen.generation.job import Job, Prompt
 from datagen.generation.turns import Conversation, Stopped, generate_turns
-from datagen.tokenization.chat import ChatEncoder, ChatTemplateError
+from datagen.tokenization.chat import (
+    ChatEncoder,
+    ChatTemplateError,
+    HistoryRewritten,
+    split_markers,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is a budget?"},
@@ -56,6 +62,108 @@ def test_all_is_refused_where_the_template_drops_earlier_turns_thinking(
     with pytest.raises(ChatTemplateError, match="renders assistant turn 1 in the history"):
         thinking.encode_turns(CHAT)
     assert thinking.encode_turns(CHAT[:2]) == (thinking.encode(CHAT[:2]), [])
+
+
+# Templates in the shape of the published ones, for the history check of regenerate = "all".
+# Qwen3's (Qwen/Qwen3-8B tokenizer_config.json): an assistant turn's text after '</think>' only,
+# its reasoning kept only after the last user turn.
+QWEN3 = """{%- set ns = namespace(last_query_index=messages|length - 1) -%}
+{%- for message in messages[::-1] -%}
+{%- if message.role == 'user' and ns.last_query_index == messages|length - 1 -%}
+{%- set ns.last_query_index = messages|length - 1 - loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' or message.role == 'system' -%}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set content = message.content -%}
+{%- set reasoning_content = '' -%}
+{%- if message.reasoning_content is defined and message.reasoning_content is not none -%}
+{%- set reasoning_content = message.reasoning_content -%}
+{%- elif '</think>' in content -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n')
+    .split('<think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{%- if loop.index0 > ns.last_query_index and reasoning_content -%}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n'
+    + content.lstrip('\n') -}}
+{%- else -%}{{- '<|im_start|>assistant\n' + content -}}{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
+# DeepSeek-R1's first published template: every assistant turn cut to its text after
+# '</think>', the generation prompt a bare assistant marker.
+DEEPSEEK_R1 = """{{- bos_token -}}
+{%- for message in messages -%}
+{%- if message['role'] == 'user' -%}{{- '<｜User｜>' + message['content'] -}}
+{%- elif message['role'] == 'assistant' -%}
+{%- set content = message['content'] -%}
+{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}
+{{- '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}"""
+# Llama-3's: every turn's text trimmed.
+TRIMMED = """{%- for message in messages -%}
+{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'
+    + message['content'] | trim + '<|eot_id|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"""
+# Every turn written as it is.
+VERBATIM = """{%- for message in messages -%}
+{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
+
+
+def with_template(tokenizer_dir: Path, folder: Path, template: str) -> ChatEncoder:
+    shutil.copytree(tokenizer_dir, folder)
+    (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return ChatEncoder(folder)
+
+
+@pytest.mark.parametrize("template", [QWEN3, DEEPSEEK_R1, TRIMMED],
+                         ids=["qwen3-split-think", "deepseek-r1-split-think", "trim"])
+def test_all_is_refused_for_a_template_that_rewrites_earlier_turns(
+        tokenizer_dir: Path, tmp_path: Path, template: str) -> None:
+    # Given: a template that cuts an earlier turn's text at '</think>' or trims it, so the
+    # generated reasoning (or whitespace) a worker would carry into the next turn's prompt
+    # is what the template, and the server, take out
+    encoder = with_template(tokenizer_dir, tmp_path / "tok", template)
+    # When/Then: regenerate = "all" is refused, naming the setting and the way out
+    with pytest.raises(HistoryRewritten, match="regenerate = 'all' cannot be exact .* turn 1 "
+                       "in the history.* use regenerate = 'each'"):
+        encoder.encode_turns(CHAT)
+
+
+def test_all_is_accepted_for_a_template_that_keeps_earlier_turns_verbatim(
+        tokenizer_dir: Path, tmp_path: Path) -> None:
+    # Given: a template that writes every turn as it is
+    encoder = with_template(tokenizer_dir, tmp_path / "tok", VERBATIM)
+    # When: generated answers (reasoning and whitespace included) are put between the ids
+    generated = ["<think>\nsome thought\n</think>\n\nA budget is a count. ", "\nA deadline."]
+    first, between = encoder.encode_turns(CHAT)
+    ids = first
+    for answer, after in zip(generated, between, strict=True):
+        ids = ids + encoder.tokens(answer) + after
+    # Then: they are the template's rendering of the conversation with those answers
+    history = [dict(m) for m in CHAT]
+    history[2]["content"], history[4]["content"] = generated
+    assert encoder.decode(ids) == encoder.render(history)
+
+
+def test_a_template_splitting_on_its_own_reasoning_marker_is_refused_too(
+        tokenizer_dir: Path, tmp_path: Path) -> None:
+    # Given: Qwen3's shape with another model's marker: the strings it splits on are found
+    other = QWEN3.replace("</think>", "</seed:think>")
+    assert split_markers(other) == ["</seed:think>", "<think>"]
+    assert split_markers(DEEPSEEK_R1) == ["</think>"] and split_markers(VERBATIM) == []
+    # Then: the written-back turn carries that marker too, and the template is refused
+    with pytest.raises(HistoryRewritten):
+        with_template(tokenizer_dir, tmp_path / "tok", other).encode_turns(CHAT)
 
 
 def test_all_is_refused_for_a_conversation_with_tool_calls(kimi: ChatEncoder) -> None:

@@ -228,6 +228,32 @@ def _lines(rows: list[dict]) -> bytes:
     return b"".join(json.dumps(row).encode() + b"\n" for row in rows)
 
 
+def test_regenerate_all_is_refused_up_front_for_a_template_that_rewrites_earlier_turns(
+        tmp_path: Path, redis_url: str, tokenizer_dir: Path) -> None:
+    # Given: a tokenizer whose template trims every turn's text (Llama-3's way), so a
+    # generated answer would not come out verbatim in the next turn's prompt
+    trimming = shutil.copytree(tokenizer_dir, tmp_path / "tok")
+    (trimming / "chat_template.jinja").write_text(
+        "{%- for m in messages -%}{{- '<' + m['role'] + '>' + m['content'] | trim -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<assistant>' -}}{%- endif -%}")
+    write_jsonl(tmp_path / "partition" / "B1.jsonl", [{"id": "s0", "messages": [
+        {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"}]}])
+    # When: the producer runs with regenerate = "all"
+    result = _produce(tmp_path, redis_url, tokenizer_dir, DATAGEN_REGENERATE="all",
+                      DATAGEN_TOKENIZER_PATH=str(trimming))
+    # Then: one line naming the setting and the tokenizer, nothing queued
+    assert result.returncode == 2, result.stderr
+    assert "error: regenerate: regenerate = 'all' cannot be exact with this template" in \
+        result.stderr and str(trimming) in result.stderr
+    client = redis.Redis.from_url(redis_url)
+    assert _queued(client) == 0 and client.hlen("dg:ds:B1:pending") == 0
+    # ... while the tests' own template, which keeps turns as they are, runs
+    result = _produce(tmp_path, redis_url, tokenizer_dir, DATAGEN_REGENERATE="all")
+    assert result.returncode == 0, result.stderr
+    assert _queued(client) == 1
+
+
 def test_unknown_dataset_name_is_a_clear_error(tmp_path: Path, redis_url: str,
                                                tokenizer_dir: Path) -> None:
     write_jsonl(tmp_path / "partition" / "B1.jsonl", [{"prompt": "x"}])
