@@ -73,7 +73,7 @@ class Settings:
     check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
     check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
-    data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
+    data_dir: str = "data/demo/partition"  # a folder or .jsonl[.gz/.zst]/.parquet file per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
     output_dir: str = "runs/default"  # shared by every host: prompts, records, training data
     tokenizer_path: str = ""  # local tokenizer (with chat template) of the target model
@@ -84,8 +84,9 @@ class Settings:
     # (not trained on); "all": every assistant turn, in order, each after the generated ones.
     # "each": one sample per assistant turn, each from the recorded history before it (the
     # faithful choice for thinking templates and agent data); "all": the turns in order, each
-    # after the generated ones (refused where that is not exact: tool turns, thinking dropped)
-    regenerate: str = "last"  # which assistant turns are generated: "last", "each" or "all"
+    # after the generated ones (refused where that is not exact: tool turns, and a template
+    # that rewrites earlier turns: reasoning split off at </think>, text trimmed)
+    regenerate: str = "last"  # "last", "each" or "all" (refused for templates that rewrite history)
 
     # Queues: one source for the worker start commands (Makefile, compose).
     long_threshold_tokens: int = 2048  # prompts longer than this go to the `long` queue
