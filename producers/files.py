@@ -34,7 +34,9 @@ MAX_LINE_BYTES = 16 * 1024 * 1024
 # Rows a parquet batch holds: pyarrow reads a row group's columns, then hands out this many
 # rows' dicts at a time, so a huge agent row costs at most this many of its kind.
 PARQUET_BATCH_ROWS = 256
-ZSTD_READ_BYTES = 1 << 16
+# Compressed bytes fed to zstd at a time: what comes out of them is held whole, and text
+# shrinks up to some hundred times (4 KB of it can be a few MB), so the bites stay small.
+ZSTD_READ_BYTES = 1 << 12
 # What breaks a compressed stream: a truncated end (EOFError), a damaged one (zlib.error,
 # gzip.BadGzipFile, an OSError), or a zstd frame error.
 _STREAM_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError)
@@ -180,11 +182,12 @@ class _ZstdStream(io.RawIOBase):
 
 
 def _parquet_rows(file: Path) -> int:
-    import pyarrow.parquet as pq  # noqa: PLC0415 (pyarrow loads only for parquet data)
+    import pyarrow as pa  # noqa: PLC0415 (pyarrow loads only for parquet data)
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
     try:
         return pq.ParquetFile(file).metadata.num_rows
-    except Exception:  # a broken file: reading it reports why
+    except (pa.ArrowException, OSError):  # a broken file: reading it reports why
         return 0
 
 
