@@ -25,7 +25,7 @@ Tools = Sequence[Any] | None
 # Stands for a generated assistant turn while the template renders what follows it.
 TURN_SENTINEL = "<<datagen:generated-turn>>"
 # The markers a thinking model writes around its reasoning; with any string the template
-# splits text on, they go into the turn the history check writes back (HistoryProbe).
+# splits text on, they go into the turn the history check writes back (history_probes).
 THINK_MARKERS = ("<think>", "</think>")
 SPLIT_METHODS = ("split", "rsplit", "partition", "rpartition")
 MEDIA_WORDS = ("image", "audio", "video", "vision")
