@@ -126,7 +126,8 @@ def test_a_trainable_budget_counts_only_what_the_window_keeps_and_closes_on_it(
     # on that count within the goal, and the generated total is kept beside it
     snap = ledger.snapshot("B1")
     done = records(settings, "B1")
-    inside = [min(r["completion_tokens"], WINDOW - r["prompt_tokens"]) for r in done]
+    # (less the row's last position, whose loss SpecForge zeroes)
+    inside = [min(r["completion_tokens"], WINDOW - r["prompt_tokens"]) - 1 for r in done]
     assert [r["trainable_tokens"] for r in done] == inside
     assert snap["closed"] == "budget" and snap["tokens"] == sum(inside)
     assert 0 <= snap["tokens"] - 4000 <= allowed_overshoot(4000, WINDOW, 0.0)
@@ -134,8 +135,12 @@ def test_a_trainable_budget_counts_only_what_the_window_keeps_and_closes_on_it(
     assert snap["stats"]["completion_tokens"] > snap["tokens"]
 
 
-def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -> None:
-    # Given: the window capped (the default), a prompt longer than the window among others
+@pytest.mark.parametrize("keep_truncated", [True, False])
+def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack,
+                                                                 keep_truncated: bool) -> None:
+    # Given: the window capped (the default), a prompt longer than the window among others;
+    # keep_truncated off too: an answer capped by the window is not a truncated generation
+    # (the trainer would cut it there anyway), so it is kept, not dead-lettered
     stack.start_simulator("--mean-output-tokens", str(MEAN_RESPONSE_TOKENS), "--sigma", "1.0",
                           "--decode-step-s", "0.002", "--max-running-requests", "64")
     data = partition(stack.tmp, {"B1": 30})
@@ -143,7 +148,7 @@ def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -
         fh.write(json.dumps({"id": "long", "prompt": " ".join(["w"] * 400)}) + "\n")
     settings = stack.configure(data_dir=str(data), short_concurrency=24,
                                short_max_tokens=SHORT_MAX_TOKENS, token_budget=10**9,
-                               train_max_length=WINDOW)
+                               train_max_length=WINDOW, keep_truncated=keep_truncated)
     stack.worker("short")
     stack.wait_workers(1)
     # When: every prompt runs
@@ -152,10 +157,11 @@ def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -
     # prompt was never sent
     done = records(settings, "B1")
     assert len(done) == 30 and all(r["id"] != "long" for r in done)
+    assert ledger.dead("B1") == {}
     assert all(r["prompt_tokens"] + r["completion_tokens"] <= WINDOW for r in done)
     assert any(r["truncated"] for r in done)  # some would have run past it
-    assert all(r["trainable_tokens"] == r["completion_tokens"] for r in done)
-    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in done)
+    assert all(r["trainable_tokens"] == r["completion_tokens"] - 1 for r in done)
+    assert ledger.snapshot("B1")["tokens"] == sum(r["trainable_tokens"] for r in done)
     starts = [e for e in stack.sim_log() if e["event"] == "start"]
     assert len(starts) == 30 and max(e["prompt_tokens"] for e in starts) < WINDOW
     assert "min_trainable_tokens" in (stack.tmp / "out" / "reports" / "B1.bad.txt").read_text()

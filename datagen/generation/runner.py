@@ -33,7 +33,7 @@ from datagen.generation.lease import Lease, LeaseBook
 from datagen.generation.ledger import REDIS_AWAY, Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter, pack_logprobs
 from datagen.generation.turns import Stopped, generate_turns
-from datagen.generation.window import trainable
+from datagen.generation.window import cut_at_window, row_length, trainable
 from datagen.servers import capture
 
 log = logging.getLogger(__name__)
@@ -110,11 +110,12 @@ def counted_cap(settings: Settings, job: Job) -> int:
 
 def trained_tokens(settings: Settings, prompt: Prompt, gen: Generation,
                    turns: list[dict[str, Any]] | None = None) -> int:
-    """The sample's generated tokens inside train_max_length (``window.trainable``)."""
+    """What SpecForge trains of the sample's row (``window.trainable``)."""
     n_prompt = len(prompt.prompt_ids)
     spans = [t["span"] for t in turns] if turns else ()
-    return trainable(n_prompt, n_prompt + len(gen.output_ids), settings.train_max_length,
-                     settings.extract_overlong, spans)
+    captured = settings.capture_states and settings.extract_backend == "captured"
+    return trainable(n_prompt, row_length(n_prompt, len(gen.output_ids), captured),
+                     settings.train_max_length, settings.extract_overlong, spans)
 
 
 def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
@@ -294,8 +295,10 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
             if STOPPING.is_set() and not ctx.ledger.closed(job.dataset):
                 return Outcome("requeue", detail="handed back on shutdown")
             return Outcome("discarded", gen.completion_tokens)
-        if gen.truncated and not ctx.settings.keep_truncated:
-            return _dead(ctx, job, "truncated at max_new_tokens and keep_truncated is off")
+        if gen.truncated and not ctx.settings.keep_truncated and not cut_at_window(
+                len(prompt.prompt_ids) + len(gen.output_ids), ctx.settings.train_max_length):
+            return _dead(ctx, job, "truncated at max_new_tokens inside train_max_length and "
+                                   "keep_truncated is off")
         # with capture on, a sample is never counted without its states: its record names them
         extra = await_states(ctx.settings, states, prompt, gen) if states else None
         try:

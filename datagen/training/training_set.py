@@ -8,8 +8,9 @@
     <output_dir>/training/manifest.json             counts, tokens, seed, shards with sha256
 
 Rules, in order: records without token ids are dropped (old format); truncated responses are
-dropped when ``keep_truncated`` is off; an id already taken by an earlier dataset (datasets in
-name order) is a collision and the later copy is dropped; what is left is sorted by
+dropped when ``keep_truncated`` is off, unless the row reaches train_max_length (the cut lost
+nothing that trains: ``window.cut_at_window``); an id already taken by an earlier dataset
+(datasets in name order) is a collision and the later copy is dropped; what is left is sorted by
 (dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
 settings give byte-identical files. Only an index is held in memory, in flat columns
 (``sample_table``: dataset, offset, token counts and id, ~40 bytes a sample and its id; the
@@ -50,6 +51,7 @@ from datagen.generation.records import (
     merged_path,
     write_atomic,
 )
+from datagen.generation.window import cut_at_window
 from datagen.operations.progress import Progress
 from datagen.training import handoff
 from datagen.training.sample_table import Entry, SampleTable, drop_collisions, shuffle_order
@@ -217,7 +219,8 @@ def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Commi
                                  uncommitted=merged.uncommitted, copies=merged.duplicates)
             table.datasets.append(dataset)
             for offset, (record, digest) in _scan(merged_path(settings.output_dir, dataset)):
-                entry = _admit(record, offset, count, settings.keep_truncated)
+                entry = _admit(record, offset, count, settings.keep_truncated,
+                               settings.train_max_length)
                 if entry is None:
                     continue
                 count.samples += 1
@@ -240,11 +243,12 @@ def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], bytes]]]:
 
 
 def _admit(record: dict[str, Any], offset: int, count: DatasetCount,
-           keep_truncated: bool) -> Entry | None:
+           keep_truncated: bool, window: int) -> Entry | None:
     if not is_current(record):
         count.no_ids += 1
         return None
-    if record.get("truncated") and not keep_truncated:
+    if record.get("truncated") and not keep_truncated and not cut_at_window(
+            len(record["prompt_ids"]) + len(record["output_ids"]), window):
         count.truncated_dropped += 1
         return None
     if not record["output_ids"]:
