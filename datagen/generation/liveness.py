@@ -47,8 +47,8 @@ BEATS_PER_LEASE = 6
 # After a failed beat (Redis away), the next one comes this soon: a healed worker renews its
 # leases and takes contact again within a moment of the heal, not a beat interval later.
 RETRY_BEAT_S = 0.5
-# While it holds requests, a worker checks this often that it can reach its server (a TCP
-# connection, nothing asked of the server).
+# While it holds requests or runs tasks, a worker checks this often that it can reach its
+# server (a TCP connection, nothing asked of the server).
 SERVER_PROBE_S = 1.0
 # A sweep waiting for the workers' claims (their beats) reads them this often.
 SWEEP_POLL_S = 0.05
@@ -120,9 +120,10 @@ class Heartbeat:
         self._fleet_since = time.monotonic() - lasted
 
     def check_server(self) -> bool:
-        """Probe the server while requests are held (or it was lost); on a change, one line,
-        the leases ended (when lost) and ``on_server`` told. Returns whether it is reached."""
-        if self.server_ok is None or not (self.book.held() or self._lost):
+        """Probe the server while requests are held or tasks run (a task's retry waits on
+        its server without a lease), or it was lost; on a change, one line, the leases ended
+        (when lost) and ``on_server`` told. Returns whether it is reached."""
+        if self.server_ok is None or not (self.book.busy() or self._lost):
             return True
         ok = self.server_ok()
         if ok != self._lost:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from config.settings import Settings
-from datagen.client import Generation, SGLangClient, backoff_s, new_rid
+from datagen.client import UNRESOLVED_GRACE_LEASES, Generation, SGLangClient, backoff_s, new_rid
 from datagen.errors import (
     BadInput,
     BadRequest,
@@ -62,7 +62,8 @@ class Context:
     def create(cls, settings: Settings, worker_id: str | None = None) -> Context:
         client = SGLangClient(settings.server_url, settings.api_key,
                               settings.connect_timeout_s, settings.read_timeout_s,
-                              settings.server_kind)
+                              settings.server_kind,
+                              unresolved_grace_s=settings.lease_s * UNRESOLVED_GRACE_LEASES)
         owner = worker_id or owner_id(socket.gethostname(), os.getpid())
         ledger = Ledger.from_settings(settings)
         return cls(settings, ledger, client, RecordWriter(settings.output_dir, owner), owner,
@@ -369,7 +370,8 @@ def _until_ledger(step: Callable[[], T], what: str) -> T:
 
 
 def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:
-    """Wait while the server is unhealthy; True when it was healthy all along."""
+    """Wait while the server is unhealthy; True when it was healthy all along. The wait
+    ends too when the heartbeat loses the server (the caller then hands the sample back)."""
     if ctx.client.healthy():
         return True
     log.warning("server %s unhealthy: waiting for it", ctx.client)
@@ -377,7 +379,8 @@ def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:
     while time.monotonic() < deadline and not STOPPING.is_set():
         if _closed(ctx, job) or ctx.client.healthy():
             break
-        time.sleep(HEALTH_POLL_S)
+        if ctx.leases.server_lost.wait(HEALTH_POLL_S):
+            break
     return False
 
 
