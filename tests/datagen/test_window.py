@@ -99,3 +99,19 @@ def test_the_turns_of_a_capped_sample_share_the_window_and_the_row_fits_it() -> 
     assert isinstance(result, Conversation)
     assert client.caps == [3, 3, 4]
     assert len(result.prompt_ids) + len(result.last.output_ids) == 20
+
+
+def test_turns_capped_by_the_window_are_kept_with_keep_truncated_off() -> None:
+    # Given: every turn would run past its share of a 20-token window; keep_truncated off
+    job = Job("B1", "s1", "short", "p", 0, 4, 100, turns=3, window=20)
+    prompt = Prompt("s1", "B1", [], [1, 5, 5, 6], [[2, 3, 6]] * 2)
+    # When: the turns run, each cut at its share
+    result = generate_turns(LongClient(), job, prompt, "rid", {}, False,  # type: ignore[arg-type]
+                            lambda: "ok")
+    # Then: a turn cut by the window is not a truncated generation: the sample is whole
+    assert isinstance(result, Conversation) and len(result.turns) == 3
+    # And: a turn cut at max_new_tokens short of its share still stops the sample
+    short = Job("B1", "s1", "short", "p", 0, 4, 2, turns=3, window=20)
+    stopped = generate_turns(LongClient(), short, prompt, "rid", {}, False,  # type: ignore[arg-type]
+                             lambda: "ok")
+    assert not isinstance(stopped, Conversation) and stopped.reason == "truncated"
