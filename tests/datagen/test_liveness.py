@@ -128,6 +128,16 @@ class BackAgain:
         return True
 
 
+def ledger_with_one_task(settings: Settings) -> tuple[Ledger, Job]:
+    """A run's ledger with one task of dataset A (sample s1) pending."""
+    led = Ledger(connect(settings.redis_url), settings)
+    led.register(["A"])
+    led.mark_run()
+    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
+    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    return led, job
+
+
 def worker_with_one_task(redis_url: str, server: dict[str, bool]
                          ) -> tuple[Any, Ledger, Job, Heartbeat]:
     """A worker process's context (lease 60 s, up to 3 retries, a server client whose
@@ -136,11 +146,7 @@ def worker_with_one_task(redis_url: str, server: dict[str, bool]
     from datagen.generation import runner
 
     settings = Settings(redis_url=redis_url, lease_s=60.0, max_retries=3)
-    led = Ledger(connect(redis_url), settings)
-    led.register(["A"])
-    led.mark_run()
-    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
-    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    led, job = ledger_with_one_task(settings)
     book = LeaseBook(led, "w1")
     beat = Heartbeat(led, book, settings.lease_s, lambda j: None, server_ok=lambda: server["ok"])
     ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
@@ -376,11 +382,7 @@ def test_a_name_that_fails_to_resolve_for_a_moment_ends_no_lease(
     from datagen.client import UNRESOLVED_GRACE_LEASES, SGLangClient
 
     lease_s = 60.0
-    led = Ledger(connect(redis_url), Settings(redis_url=redis_url, lease_s=lease_s))
-    led.register(["A"])
-    led.mark_run()
-    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
-    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    led, _ = ledger_with_one_task(Settings(redis_url=redis_url, lease_s=lease_s))
     book = LeaseBook(led, "w1")
     assert led.admit("A", "s1", "r1", "w1", 5, 100).status == "ok"
     book.hold("A", "s1", "r1")
@@ -412,11 +414,7 @@ def test_a_name_gone_for_good_loses_the_server_after_the_grace_and_the_task_does
     from datagen.generation import runner
 
     settings = Settings(redis_url=redis_url, lease_s=2.0, max_retries=3)
-    led = Ledger(connect(redis_url), settings)
-    led.register(["A"])
-    led.mark_run()
-    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
-    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    led, job = ledger_with_one_task(settings)
     book = LeaseBook(led, "w1")
     told: list[bool] = []
     sent: list[str] = []
