@@ -316,17 +316,17 @@ class SGLangClient:
 
 
 class _Unresolved:
-    """How long the server's name has failed to resolve, for ``reachable``. No verdict for
-    ``grace_s`` from the first failure of a run of them: a container network's DNS (Podman's
-    aardvark-dns) on a loaded host answers EAI_AGAIN, and EAI_NONAME for seconds about a
-    container that is up (a fresh-clone CI: "sglang" unknown for 4.6 s), and taken for a
-    cut the leases of requests in flight over their connections would end and they would
-    run twice (stored twice, counted once). Past the grace the name is gone (a removed
-    container or pod): the worker loses the server, or its run would stall on it."""
+    """How long the server's name has failed to resolve, for ``reachable``: no verdict for
+    ``grace_s`` from the first failure of a run of them (UNRESOLVED_GRACE_LEASES says why).
+    Taken for a cut at once, the leases of requests going on over their connections would
+    end and they would run twice (12 samples stored twice in a fresh-clone CI, where
+    Podman's DNS did not know a live "sglang" for 4.6 s); never, a removed container's or
+    pod's name would stall the run on it."""
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self._since: float | None = None  # monotonic time of the run's first failure
+        self._told = False  # the run past its grace was logged
         self._lock = threading.Lock()
 
     def within_grace(self, exc: socket.gaierror) -> bool:
@@ -335,15 +335,17 @@ class _Unresolved:
             if self._since is None:
                 self._since = now
             failing_s = now - self._since
-        if failing_s < self.grace_s:
-            return True
-        log.warning("the server's name has not resolved for %.1fs (%s): its host is taken "
-                    "for gone", failing_s, exc)
+            if failing_s < self.grace_s:
+                return True
+            told, self._told = self._told, True
+        if not told:
+            log.warning("the server's name has not resolved for %.1fs (%s): its host is "
+                        "taken for gone", failing_s, exc)
         return False
 
     def resolved(self) -> None:
         with self._lock:
-            self._since = None
+            self._since, self._told = None, False
 
 
 def _worker_urls(data: Any) -> list[str]:
