@@ -96,7 +96,7 @@ def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
         assert snap["pending"] == 0, name  # its revoked work is not shown as queued
         assert 0 <= overshoots[name] <= allowed_overshoot(budget, MEAN_RESPONSE_TOKENS, sigma), \
             (name, overshoots, snap)
-        assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, name))
+        assert snap["tokens"] == sum(r["trainable_tokens"] for r in records(settings, name))
         # ... and no request of a closed dataset left a worker after the close.
         assert starts_after_close(stack, ledger, name) == []
         assert snap["stats"]["samples"] < 200  # it really stopped early
@@ -214,7 +214,7 @@ def test_a_small_budget_runs_many_requests_at_once_before_16_responses(
     snap = ledger.snapshot("B1")
     assert snap["closed"] == "budget"
     assert 0 <= snap["tokens"] - budget <= allowed_overshoot(budget, 100, 0.3), snap
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, "B1"))
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in records(settings, "B1"))
     assert starts_after_close(stack, ledger, "B1") == []
 
 
@@ -283,7 +283,7 @@ def test_restart_skips_datasets_over_budget_and_resumes_the_rest(stack: Stack) -
     sent_b2 = sorted(e["rid"] for e in log if e["dataset"] == "B2" and e["event"] == "start")
     assert len(sent_b2) == 5
     snap = ledger.snapshot("B2")
-    new_tokens = sum(r["completion_tokens"] for r in records(settings, "B2") if "rid" in r)
+    new_tokens = sum(r["trainable_tokens"] for r in records(settings, "B2") if "rid" in r)
     assert snap["tokens"] == 5 * 100 + new_tokens
     assert snap["stats"]["samples"] == 10
 
@@ -360,7 +360,7 @@ def test_abort_policy_discards_partial_outputs(stack: Stack) -> None:
     assert stored and all(r["finish_reason"]["type"] != "abort" for r in stored)
     snap = ledger.snapshot("B1")
     assert snap["stats"]["discarded_tokens"] > 0
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in stored)
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in stored)
     assert json.dumps(snap)  # the snapshot is plain data (status --json relies on it)
 
 
