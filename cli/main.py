@@ -183,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
 def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
     parsers["prepare"].add_argument("--force", action="store_true",
                                     help="rewrite the shards even if extraction started on "
-                                         "a different training set")
+                                         "a different training set (refused while its rows "
+                                         "hold the only copy of captured states)")
     ext = parsers["extract"]
     ext.add_argument("--force", action="store_true", help="start even if the disk check fails")
     ext.add_argument("--no-wait", action="store_true", help="enqueue and return")

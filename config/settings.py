@@ -108,11 +108,14 @@ class Settings:
     # Budgets.
     token_budget: int = 10_000_000  # default budget of every dataset, in tokens
     budgets: dict[str, int] = field(default_factory=dict)  # per-dataset overrides
-    # "trainable": the generated tokens inside train_max_length (what SpecForge trains on);
+    # "trainable": what SpecForge trains: the generated tokens inside train_max_length but
+    # the row's last (SpecForge zeroes its loss), so a 1-token answer counts 0;
     # "completion": every generated token; "total": completion + prompt.
-    budget_counts: str = "trainable"  # what counts: "trainable", "completion" or "total"
+    budget_counts: str = "trainable"  # "trainable" (what SpecForge trains), "completion", "total"
     max_samples: int | None = None  # also close a dataset after this many samples
-    keep_truncated: bool = True  # keep responses cut at max_new_tokens (else dead-letter)
+    # Off: a response cut at max_new_tokens short of train_max_length is dead-lettered; one
+    # whose row reaches it (every answer cap_to_window capped) is kept: nothing that trains lost.
+    keep_truncated: bool = True  # keep cut answers; off: only those that fill train_max_length
     abort_on_close: bool = False  # a close aborts each in-flight request by its exact rid
     precise_admission: bool = True  # False: the naive stop-at-counter rule (baseline)
     # Higher lands closer to the budget from below, at the price of a slower finish.
@@ -130,7 +133,9 @@ class Settings:
     # lost work after a crash is found through the ledger's leases instead.
     visibility_timeout_s: int = 43_200  # kombu's; must be the same in every process
     worker_pool: str = "threads"  # pool of the short/long workers
-    lease_s: float = 30.0  # a worker silent this long has its in-flight samples re-run
+    # A server's name that does not resolve for half a lease is taken for a host gone (before
+    # that, no verdict: container DNS fails for seconds about live hosts; RELIABILITY.md).
+    lease_s: float = 30.0  # a silent worker's samples re-run; a name unresolved lease/2: host gone
     shutdown_grace_s: float = 30.0  # SIGTERM: then in-flight requests are aborted, handed back
 
     flower_basic_auth: str = ""  # "user:password"; `datagen flower` makes one when empty

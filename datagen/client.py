@@ -59,8 +59,8 @@ from datagen.servers.base import (
     ServerKind,
 )
 
-__all__ = ["INPUT_RESERVE", "Generation", "Limits", "SGLangClient", "backoff_s", "new_rid",
-           "rid_prefix"]
+__all__ = ["INPUT_RESERVE", "UNRESOLVED_GRACE_LEASES", "Generation", "Limits", "SGLangClient",
+           "backoff_s", "new_rid", "rid_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ HEALTH_CACHE_S = 1.0
 # How long the servers a router lists are reused for aborts (a close or a shutdown aborts
 # each of its requests; the router's set of servers changes rarely).
 BACKENDS_CACHE_S = 10.0
+# A failed name lookup of the server's host is no verdict for this share of a lease
+# (lease_s): a container network's DNS answers EAI_AGAIN, and EAI_NONAME for seconds, about a
+# host that is up (Podman's: 4.6 s in a fresh-clone CI). Past it, the name is taken for gone
+# (a removed container or pod) and the host for lost, as a silent cut is: the leases end and
+# the requests run elsewhere, half a lease later than a cut's.
+UNRESOLVED_GRACE_LEASES = 0.5
 # A data-parallel router lists each rank as "<url>@<rank>"; the server is "<url>".
 _DP_RANK = re.compile(r"@\d+$")
 
@@ -92,7 +98,7 @@ def new_rid(dataset: str = "") -> str:
 class SGLangClient:
     def __init__(self, base_url: str, api_key: str | None = None,
                  connect_timeout_s: float = 10.0, read_timeout_s: float = 7200.0,
-                 kind: str = "sglang"):
+                 kind: str = "sglang", unresolved_grace_s: float = 0.0):
         if kind not in SERVER_KINDS:
             raise ValueError(f"server kind {kind!r} is not one of {SERVER_KINDS}")
         self.base_url = base_url.rstrip("/")
@@ -107,6 +113,7 @@ class SGLangClient:
         self._backends: tuple[float, list[str]] = (-1e9, [])
         self._backends_lock = threading.Lock()
         self._direct = _Connections.for_url(self.base_url, connect_timeout_s, read_timeout_s)
+        self._unresolved = _Unresolved(unresolved_grace_s)
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -256,23 +263,22 @@ class SGLangClient:
         to it timed out or found no route (a silent network cut, a host gone). A refused
         connection (the host is up, the server down: every worker sees that and waits for
         it) counts as reachable, and so does a slow server: nothing is asked of it but the
-        connection (SGLang's /health waits on its scheduler, seconds on a loaded CPU)."""
+        connection (SGLang's /health waits on its scheduler, seconds on a loaded CPU). A
+        name that does not resolve is no verdict for ``unresolved_grace_s`` from the first
+        failed lookup of a run of them (``_Unresolved``), then a host gone."""
         parts = urlsplit(self.base_url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
             socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
         except ConnectionRefusedError:
+            self._unresolved.resolved()
             return True
-        except socket.gaierror:
-            # No verdict on the server's host: a container network's DNS (Podman's
-            # aardvark-dns) on a loaded host answers EAI_AGAIN, and EAI_NONAME for seconds
-            # about a container that is up (a fresh-clone CI: "sglang" unknown for 4.6 s).
-            # A request that cannot resolve is never sent, and those in flight go on over
-            # their connections; taken for a cut, their leases would end and they would run
-            # twice (stored twice, counted once).
-            return True
+        except socket.gaierror as exc:
+            return self._unresolved.within_grace(exc)
         except OSError:  # timed out, no route to the host
+            self._unresolved.resolved()
             return False
+        self._unresolved.resolved()
         return True
 
     def limits(self) -> Limits:
@@ -307,6 +313,39 @@ class SGLangClient:
             raise HTTPStatusError(resp.status_code,
                                   f"HTTP {resp.status_code} from {masked_url(url)}{path}")
         return resp.json()  # requests' JSONDecodeError is a ValueError
+
+
+class _Unresolved:
+    """How long the server's name has failed to resolve, for ``reachable``: no verdict for
+    ``grace_s`` from the first failure of a run of them (UNRESOLVED_GRACE_LEASES says why).
+    Taken for a cut at once, the leases of requests going on over their connections would
+    end and they would run twice (12 samples stored twice in a fresh-clone CI, where
+    Podman's DNS did not know a live "sglang" for 4.6 s); never, a removed container's or
+    pod's name would stall the run on it."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self._since: float | None = None  # monotonic time of the run's first failure
+        self._told = False  # the run past its grace was logged
+        self._lock = threading.Lock()
+
+    def within_grace(self, exc: socket.gaierror) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if self._since is None:
+                self._since = now
+            failing_s = now - self._since
+            if failing_s < self.grace_s:
+                return True
+            told, self._told = self._told, True
+        if not told:
+            log.warning("the server's name has not resolved for %.1fs (%s): its host is "
+                        "taken for gone", failing_s, exc)
+        return False
+
+    def resolved(self) -> None:
+        with self._lock:
+            self._since, self._told = None, False
 
 
 def _worker_urls(data: Any) -> list[str]:

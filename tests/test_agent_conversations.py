@@ -284,7 +284,7 @@ def test_each_turn_runs_as_its_own_sample_through_a_kill_and_a_restart(kimi_stac
     records = [json.loads(x) for x in Path(merged.path).read_text().splitlines()]
     assert sorted(r["id"] for r in records) == sorted(f"t{i}:{n}" for i in range(10)
                                                       for n in (1, 2))
-    assert ledger.snapshot("C1")["tokens"] == sum(r["completion_tokens"] for r in records)
+    assert ledger.snapshot("C1")["tokens"] == sum(r["trainable_tokens"] for r in records)
     by_id = {line["id"]: line for line in agent_lines(10)}
     for rec in records:
         line, n = by_id[rec["id"].split(":")[0]], int(rec["id"].split(":")[1])
@@ -336,7 +336,7 @@ def test_a_budget_closes_a_dataset_of_turns_and_no_turn_starts_after(kimi_stack:
     assert 450 <= snap["tokens"] and snap["stats"]["samples"] < 80
     merged = merge_dataset(settings.output_dir, "C1", ledger.committed("C1"))
     records = [json.loads(x) for x in Path(merged.path).read_text().splitlines()]
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in records)
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in records)
     closed_at = min(e["t"] for e in ledger.events("C1") if e["e"].startswith("closed"))
     assert not [e for e in stack.sim_log() if e["event"] == "start" and e["time"] > closed_at]
     # ... and a restart skips it: nothing enqueued

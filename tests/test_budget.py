@@ -96,7 +96,7 @@ def test_datasets_stop_at_their_budgets_precisely_and_no_request_starts_after(
         assert snap["pending"] == 0, name  # its revoked work is not shown as queued
         assert 0 <= overshoots[name] <= allowed_overshoot(budget, MEAN_RESPONSE_TOKENS, sigma), \
             (name, overshoots, snap)
-        assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, name))
+        assert snap["tokens"] == sum(r["trainable_tokens"] for r in records(settings, name))
         # ... and no request of a closed dataset left a worker after the close.
         assert starts_after_close(stack, ledger, name) == []
         assert snap["stats"]["samples"] < 200  # it really stopped early
@@ -126,7 +126,8 @@ def test_a_trainable_budget_counts_only_what_the_window_keeps_and_closes_on_it(
     # on that count within the goal, and the generated total is kept beside it
     snap = ledger.snapshot("B1")
     done = records(settings, "B1")
-    inside = [min(r["completion_tokens"], WINDOW - r["prompt_tokens"]) for r in done]
+    # (less the row's last position, whose loss SpecForge zeroes)
+    inside = [min(r["completion_tokens"], WINDOW - r["prompt_tokens"]) - 1 for r in done]
     assert [r["trainable_tokens"] for r in done] == inside
     assert snap["closed"] == "budget" and snap["tokens"] == sum(inside)
     assert 0 <= snap["tokens"] - 4000 <= allowed_overshoot(4000, WINDOW, 0.0)
@@ -134,8 +135,12 @@ def test_a_trainable_budget_counts_only_what_the_window_keeps_and_closes_on_it(
     assert snap["stats"]["completion_tokens"] > snap["tokens"]
 
 
-def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -> None:
-    # Given: the window capped (the default), a prompt longer than the window among others
+@pytest.mark.parametrize("keep_truncated", [True, False])
+def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack,
+                                                                 keep_truncated: bool) -> None:
+    # Given: the window capped (the default), a prompt longer than the window among others;
+    # keep_truncated off too: an answer capped by the window is not a truncated generation
+    # (the trainer would cut it there anyway), so it is kept, not dead-lettered
     stack.start_simulator("--mean-output-tokens", str(MEAN_RESPONSE_TOKENS), "--sigma", "1.0",
                           "--decode-step-s", "0.002", "--max-running-requests", "64")
     data = partition(stack.tmp, {"B1": 30})
@@ -143,7 +148,7 @@ def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -
         fh.write(json.dumps({"id": "long", "prompt": " ".join(["w"] * 400)}) + "\n")
     settings = stack.configure(data_dir=str(data), short_concurrency=24,
                                short_max_tokens=SHORT_MAX_TOKENS, token_budget=10**9,
-                               train_max_length=WINDOW)
+                               train_max_length=WINDOW, keep_truncated=keep_truncated)
     stack.worker("short")
     stack.wait_workers(1)
     # When: every prompt runs
@@ -152,10 +157,11 @@ def test_cap_to_window_generates_nothing_the_window_cannot_train(stack: Stack) -
     # prompt was never sent
     done = records(settings, "B1")
     assert len(done) == 30 and all(r["id"] != "long" for r in done)
+    assert ledger.dead("B1") == {}
     assert all(r["prompt_tokens"] + r["completion_tokens"] <= WINDOW for r in done)
     assert any(r["truncated"] for r in done)  # some would have run past it
-    assert all(r["trainable_tokens"] == r["completion_tokens"] for r in done)
-    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in done)
+    assert all(r["trainable_tokens"] == r["completion_tokens"] - 1 for r in done)
+    assert ledger.snapshot("B1")["tokens"] == sum(r["trainable_tokens"] for r in done)
     starts = [e for e in stack.sim_log() if e["event"] == "start"]
     assert len(starts) == 30 and max(e["prompt_tokens"] for e in starts) < WINDOW
     assert "min_trainable_tokens" in (stack.tmp / "out" / "reports" / "B1.bad.txt").read_text()
@@ -208,7 +214,7 @@ def test_a_small_budget_runs_many_requests_at_once_before_16_responses(
     snap = ledger.snapshot("B1")
     assert snap["closed"] == "budget"
     assert 0 <= snap["tokens"] - budget <= allowed_overshoot(budget, 100, 0.3), snap
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in records(settings, "B1"))
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in records(settings, "B1"))
     assert starts_after_close(stack, ledger, "B1") == []
 
 
@@ -277,7 +283,7 @@ def test_restart_skips_datasets_over_budget_and_resumes_the_rest(stack: Stack) -
     sent_b2 = sorted(e["rid"] for e in log if e["dataset"] == "B2" and e["event"] == "start")
     assert len(sent_b2) == 5
     snap = ledger.snapshot("B2")
-    new_tokens = sum(r["completion_tokens"] for r in records(settings, "B2") if "rid" in r)
+    new_tokens = sum(r["trainable_tokens"] for r in records(settings, "B2") if "rid" in r)
     assert snap["tokens"] == 5 * 100 + new_tokens
     assert snap["stats"]["samples"] == 10
 
@@ -354,7 +360,7 @@ def test_abort_policy_discards_partial_outputs(stack: Stack) -> None:
     assert stored and all(r["finish_reason"]["type"] != "abort" for r in stored)
     snap = ledger.snapshot("B1")
     assert snap["stats"]["discarded_tokens"] > 0
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in stored)
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in stored)
     assert json.dumps(snap)  # the snapshot is plain data (status --json relies on it)
 
 

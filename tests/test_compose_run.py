@@ -207,8 +207,9 @@ def test_scaled_deployment_stores_every_sample_once(project: Compose) -> None:
         # a sample stored twice names its cause in the workers' lines (none in a clean run)
         assert len(ids) == len(set(ids)) == snapshots[d]["stats"]["samples"], \
             f"{d}: {len(ids)} records of {len(set(ids))} samples; why:\n{evidence}"
-        assert {r["id"]: f"{r['rid']} {r['completion_tokens']}" for r in records} == committed[d]
-        assert sum(r["completion_tokens"] for r in records) == snapshots[d]["tokens"], d
+        # (budget_counts "trainable": what SpecForge trains, each record's trainable_tokens)
+        assert {r["id"]: f"{r['rid']} {r['trainable_tokens']}" for r in records} == committed[d]
+        assert sum(r["trainable_tokens"] for r in records) == snapshots[d]["tokens"], d
         bad = output / "reports" / f"{d}.bad.txt"
         bad_lines = len(bad.read_text().splitlines()) if bad.exists() else 0
         assert len(ids) + bad_lines == input_lines(d), (d, len(ids), bad_lines)

@@ -64,7 +64,8 @@ def test_a_run_generates_with_a_custom_code_tokenizer_end_to_end(kimi_stack: Sta
         assert rec["prompt_ids"][-2:] == [special["<think>"], special["</think>"]]
         assert stack.encoder.decode(rec["prompt_ids"]).startswith("<|im_user|>user<|im_middle|>")
         assert rec["output_ids"][-1] == special["<|im_end|>"]
-    assert ledger.snapshot("K1")["tokens"] == sum(len(r["output_ids"]) for r in records)
+    # what trains: the output ids but each row's last (SpecForge zeroes its loss)
+    assert ledger.snapshot("K1")["tokens"] == sum(len(r["output_ids"]) - 1 for r in records)
 
     # The two-turn chat: its second prompt holds the first turn's output, then Kimi's
     # markers for the next user turn and the thinking-off generation prompt again
@@ -76,7 +77,7 @@ def test_a_run_generates_with_a_custom_code_tokenizer_end_to_end(kimi_stack: Sta
         "<|im_user|>user<|im_middle|>Second question?<|im_end|>"
         "<|im_assistant|>assistant<|im_middle|><think></think>")
     assert ids[a - 2:a] == [special["<think>"], special["</think>"]]
-    assert ledger.snapshot("K2")["tokens"] == (b - a) + (d - c)
+    assert ledger.snapshot("K2")["tokens"] == (b - a) + (d - c) - 1  # the row's last: no loss
 
 
 def test_the_producer_refuses_a_custom_code_tokenizer_without_trust(kimi_stack: Stack) -> None:

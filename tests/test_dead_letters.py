@@ -163,7 +163,7 @@ def test_a_vllm_server_s_refusals_reach_the_dead_letters_in_its_own_words(
                                           ).glob("*.jsonl")
             for line in path.read_text().splitlines()]
     assert sorted(r["id"] for r in recs) == [f"B1-{i:03d}" for i in range(6)] + ["B1-tight"]
-    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in recs)
+    assert ledger.snapshot("B1")["tokens"] == sum(r["trainable_tokens"] for r in recs)
     tight = next(r for r in recs if r["id"] == "B1-tight")
     assert tight["finish_reason"] == {"type": "length", "length": tight["completion_tokens"]}
     assert len(tight["prompt_ids"]) + tight["completion_tokens"] == SIM_CONTEXT

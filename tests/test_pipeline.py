@@ -108,7 +108,7 @@ def test_three_datasets_run_to_completion_and_rerun_enqueues_nothing(stack: Stac
                 == answer["completion_tokens"]
             assert rec["prompt_tokens"] == len(rec["prompt_ids"]) == answer["prompt_tokens"]
         snap = ledger.snapshot(name)
-        assert snap["tokens"] == sum(r["completion_tokens"] for r in records)
+        assert snap["tokens"] == sum(r["trainable_tokens"] for r in records)
         assert snap["stats"]["samples"] == expected
         merged = merge_dataset(settings.output_dir, name,
                                ledger.committed(name))

@@ -63,6 +63,13 @@ class LeaseBook:
                 self._running.discard(key)
                 self._runs.notify_all()
 
+    def busy(self) -> bool:
+        """Whether a lease is held or a task runs (one waiting on its server holds none)."""
+        with self._runs:
+            if self._running:
+                return True
+        return len(self) > 0
+
     def publish_claims(self) -> float:
         """Publish every claim, for another lease (a task claimed meanwhile waits: the
         publication holds every task started before its stamp)."""

@@ -47,8 +47,8 @@ BEATS_PER_LEASE = 6
 # After a failed beat (Redis away), the next one comes this soon: a healed worker renews its
 # leases and takes contact again within a moment of the heal, not a beat interval later.
 RETRY_BEAT_S = 0.5
-# While it holds requests, a worker checks this often that it can reach its server (a TCP
-# connection, nothing asked of the server).
+# While it holds requests or runs tasks, a worker checks this often that it can reach its
+# server (a TCP connection, nothing asked of the server).
 SERVER_PROBE_S = 1.0
 # A sweep waiting for the workers' claims (their beats) reads them this often.
 SWEEP_POLL_S = 0.05
@@ -120,9 +120,10 @@ class Heartbeat:
         self._fleet_since = time.monotonic() - lasted
 
     def check_server(self) -> bool:
-        """Probe the server while requests are held (or it was lost); on a change, one line,
-        the leases ended (when lost) and ``on_server`` told. Returns whether it is reached."""
-        if self.server_ok is None or not (self.book.held() or self._lost):
+        """Probe the server while requests are held or tasks run (a task's retry waits on
+        its server without a lease), or it was lost; on a change, one line, the leases ended
+        (when lost) and ``on_server`` told. Returns whether it is reached."""
+        if self.server_ok is None or not (self.book.busy() or self._lost):
             return True
         ok = self.server_ok()
         if ok != self._lost:
@@ -272,11 +273,19 @@ def sweep(ledger: Ledger, requeue: Requeue, wait_s: float | None = None) -> int:
 
     Only sound when the generation queues are empty, so it checks that first: a message
     lost between an early ack and the in-flight entry (a worker killed in that instant) is
-    found here at the end of a run. A task claims its sample from its start to its end, and
-    every beat publishes its worker's claims: a sample found nowhere is re-enqueued only once
-    every worker whose claims are up (they expire a lease after its last beat) has published
-    since the sweep looked (a task taken before then, on a loaded host still short of its
-    admission, is in that publication) and it is still nowhere. Waits up to ``wait_s``
+    found here at the end of a run. A task claims its sample from the start of ``run_job``
+    (``LeaseBook.running``) to its end, and every beat publishes its worker's claims: a sample
+    found nowhere is re-enqueued only once every worker whose claims are up (they expire a
+    lease after its last beat) has published since the sweep looked and it is still nowhere.
+    What that publication holds: every task past its claim, so one on a loaded host still
+    short of its admission is safe. What it does not: a task between the broker's early ack
+    (in the pool's thread, before the task body) and its claim, that is Celery's trace
+    set-up, the payload's parse and, on a process's first task, the building of its context;
+    a sweep whose wait spans a beat taken in that gap re-enqueues the sample, and a second
+    copy runs. That copy is never counted twice: in the same process it waits for the first
+    (``running``) and finds it done, elsewhere admission refuses it as busy while the first
+    holds the entry (or the first is refused, if the copy admits first), and ``commit.lua``
+    counts a sample once; the cost is at most one extra request. Waits up to ``wait_s``
     (default a lease) for those beats; 0 when they do not come. The reads follow a sample's
     life (queued, claimed, in flight, done), so one moving on meanwhile is seen in a later
     read.

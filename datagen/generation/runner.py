@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from config.settings import Settings
-from datagen.client import Generation, SGLangClient, backoff_s, new_rid
+from datagen.client import UNRESOLVED_GRACE_LEASES, Generation, SGLangClient, backoff_s, new_rid
 from datagen.errors import (
     BadInput,
     BadRequest,
@@ -33,7 +33,7 @@ from datagen.generation.lease import Lease, LeaseBook
 from datagen.generation.ledger import REDIS_AWAY, Admission, Commit, Ledger, owner_id
 from datagen.generation.records import RECORD_VERSION, RecordWriter, pack_logprobs
 from datagen.generation.turns import Stopped, generate_turns
-from datagen.generation.window import trainable
+from datagen.generation.window import cut_at_window, row_length, trainable
 from datagen.servers import capture
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class Context:
     def create(cls, settings: Settings, worker_id: str | None = None) -> Context:
         client = SGLangClient(settings.server_url, settings.api_key,
                               settings.connect_timeout_s, settings.read_timeout_s,
-                              settings.server_kind)
+                              settings.server_kind,
+                              unresolved_grace_s=settings.lease_s * UNRESOLVED_GRACE_LEASES)
         owner = worker_id or owner_id(socket.gethostname(), os.getpid())
         ledger = Ledger.from_settings(settings)
         return cls(settings, ledger, client, RecordWriter(settings.output_dir, owner), owner,
@@ -110,11 +111,12 @@ def counted_cap(settings: Settings, job: Job) -> int:
 
 def trained_tokens(settings: Settings, prompt: Prompt, gen: Generation,
                    turns: list[dict[str, Any]] | None = None) -> int:
-    """The sample's generated tokens inside train_max_length (``window.trainable``)."""
+    """What SpecForge trains of the sample's row (``window.trainable``)."""
     n_prompt = len(prompt.prompt_ids)
     spans = [t["span"] for t in turns] if turns else ()
-    return trainable(n_prompt, n_prompt + len(gen.output_ids), settings.train_max_length,
-                     settings.extract_overlong, spans)
+    captured = settings.capture_states and settings.extract_backend == "captured"
+    return trainable(n_prompt, row_length(n_prompt, len(gen.output_ids), captured),
+                     settings.train_max_length, settings.extract_overlong, spans)
 
 
 def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
@@ -294,8 +296,10 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
             if STOPPING.is_set() and not ctx.ledger.closed(job.dataset):
                 return Outcome("requeue", detail="handed back on shutdown")
             return Outcome("discarded", gen.completion_tokens)
-        if gen.truncated and not ctx.settings.keep_truncated:
-            return _dead(ctx, job, "truncated at max_new_tokens and keep_truncated is off")
+        if gen.truncated and not ctx.settings.keep_truncated and not cut_at_window(
+                len(prompt.prompt_ids) + len(gen.output_ids), ctx.settings.train_max_length):
+            return _dead(ctx, job, "truncated at max_new_tokens inside train_max_length and "
+                                   "keep_truncated is off")
         # with capture on, a sample is never counted without its states: its record names them
         extra = await_states(ctx.settings, states, prompt, gen) if states else None
         try:
@@ -366,7 +370,8 @@ def _until_ledger(step: Callable[[], T], what: str) -> T:
 
 
 def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:
-    """Wait while the server is unhealthy; True when it was healthy all along."""
+    """Wait while the server is unhealthy; True when it was healthy all along. The wait
+    ends too when the heartbeat loses the server (the caller then hands the sample back)."""
     if ctx.client.healthy():
         return True
     log.warning("server %s unhealthy: waiting for it", ctx.client)
@@ -374,7 +379,8 @@ def wait_for_server(ctx: Context, job: Job, max_wait_s: float = 3600.0) -> bool:
     while time.monotonic() < deadline and not STOPPING.is_set():
         if _closed(ctx, job) or ctx.client.healthy():
             break
-        time.sleep(HEALTH_POLL_S)
+        if ctx.leases.server_lost.wait(HEALTH_POLL_S):
+            break
     return False
 
 

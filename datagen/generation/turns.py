@@ -81,8 +81,9 @@ def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
                 return Stopped("context", generated,
                                f"turn {n + 1} of {job.turns}: the conversation's {refusal}")
             max_new = min(max_new, limits.room(len(ids)))
+        share = window_share(job, prompt, ids, n) if job.window else 0
         if job.window:
-            max_new = min(max_new, window_share(job, prompt, ids, n))
+            max_new = min(max_new, share)
             if max_new < 1:
                 return Stopped("context", generated, f"turn {n + 1} of {job.turns}: no room "
                                f"left in the window of {job.window} tokens")
@@ -91,7 +92,8 @@ def generate_turns(client: SGLangClient, job: Job, prompt: Prompt, rid: str,
         generated += gen.completion_tokens
         if gen.aborted:
             return Stopped("aborted", generated, f"turn {n + 1} aborted")
-        if gen.truncated and not keep_truncated:
+        # a turn cut at its share of the window lost nothing that trains (cap_to_window)
+        if gen.truncated and not keep_truncated and not (job.window and max_new == share):
             return Stopped("truncated", generated, f"turn {n + 1} truncated at max_new_tokens "
                            "and keep_truncated is off")
         turns.append({"rid": rid, "span": [len(ids), len(ids) + len(gen.output_ids)],

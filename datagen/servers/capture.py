@@ -393,6 +393,15 @@ def built_row(path: Path) -> str | None:
         return None
 
 
+def only_copies(output_dir: str | Path, extracted: Path) -> list[tuple[Path, str]]:
+    """(mark, row) of every captured file a build freed whose states live on only in a row
+    of the extraction folder ``extracted`` (keep_captured_states off): removing that folder
+    loses them for good."""
+    marks = sorted((Path(output_dir) / STATES_DIR).glob(f"*/*{SUFFIX}{BUILT}"))
+    rows = ((mark, mark.read_text(encoding="utf-8").strip()) for mark in marks)
+    return [(mark, row) for mark, row in rows if row and (extracted / row).is_file()]
+
+
 def remove(path: Path) -> None:
     """Drop an attempt's file and its lock (an abort, a failed check, a failed attempt)."""
     for p in (path, Path(f"{path}.lock")):

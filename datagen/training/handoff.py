@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from datagen.generation.records import atomic_file
+from datagen.generation.window import trainable
 from datagen.training import draft_config as dc
 from datagen.training import vocab_mapping as vm
 
@@ -51,8 +52,7 @@ def kept_length(n_prompt: int, n_total: int, max_length: int, overlong: str,
     if n_total > max_length and overlong == "skip":
         return 0, f"{n_total} tokens > train_max_length {max_length}"
     kept = min(n_total, max_length)
-    trained = sum(max(0, min(b, kept - 1) - a) for a, b in _spans(n_prompt, n_total, spans))
-    if trained < 1:
+    if trainable(n_prompt, n_total, max_length, overlong, spans) < 1:
         return 0, (f"no trainable token within train_max_length {max_length} "
                    f"(prompt {n_prompt}, response {n_total - n_prompt} tokens)")
     return kept, ""

@@ -8,8 +8,9 @@
     <output_dir>/training/manifest.json             counts, tokens, seed, shards with sha256
 
 Rules, in order: records without token ids are dropped (old format); truncated responses are
-dropped when ``keep_truncated`` is off; an id already taken by an earlier dataset (datasets in
-name order) is a collision and the later copy is dropped; what is left is sorted by
+dropped when ``keep_truncated`` is off, unless the row reaches train_max_length (the cut lost
+nothing that trains: ``window.cut_at_window``); an id already taken by an earlier dataset
+(datasets in name order) is a collision and the later copy is dropped; what is left is sorted by
 (dataset, id), shuffled with ``shuffle_seed`` and numbered ``idx`` 0..N-1. The same records and
 settings give byte-identical files. Only an index is held in memory, in flat columns
 (``sample_table``: dataset, offset, token counts and id, ~40 bytes a sample and its id; the
@@ -50,7 +51,9 @@ from datagen.generation.records import (
     merged_path,
     write_atomic,
 )
+from datagen.generation.window import cut_at_window
 from datagen.operations.progress import Progress
+from datagen.servers import capture
 from datagen.training import handoff
 from datagen.training.sample_table import Entry, SampleTable, drop_collisions, shuffle_order
 from datagen.training.text_rows import TextRows
@@ -143,7 +146,7 @@ def prepare(settings: Settings,
         tset.datasets, tset.collisions = counts, collisions
         order = _shuffled(table, settings.shuffle_seed)
         tset.fingerprint = _fingerprint(table, order, settings)
-        _check_unchanged(folder, extraction_dir(settings), tset.fingerprint, force)
+        _check_unchanged(settings, tset.fingerprint, force)
         # One read of each record writes its shard line and its online row, and counts what
         # the length rule does to it; where it was is kept for the conversations' pass.
         with _Reader(out) as reader, atomic_file(rows_path) as rows:
@@ -217,7 +220,8 @@ def _index(settings: Settings, committed: Mapping[str, Mapping[str, str] | Commi
                                  uncommitted=merged.uncommitted, copies=merged.duplicates)
             table.datasets.append(dataset)
             for offset, (record, digest) in _scan(merged_path(settings.output_dir, dataset)):
-                entry = _admit(record, offset, count, settings.keep_truncated)
+                entry = _admit(record, offset, count, settings.keep_truncated,
+                               settings.train_max_length)
                 if entry is None:
                     continue
                 count.samples += 1
@@ -240,11 +244,12 @@ def _scan(path: Path) -> Iterator[tuple[int, tuple[dict[str, Any], bytes]]]:
 
 
 def _admit(record: dict[str, Any], offset: int, count: DatasetCount,
-           keep_truncated: bool) -> Entry | None:
+           keep_truncated: bool, window: int) -> Entry | None:
     if not is_current(record):
         count.no_ids += 1
         return None
-    if record.get("truncated") and not keep_truncated:
+    if record.get("truncated") and not keep_truncated and not cut_at_window(
+            len(record["prompt_ids"]) + len(record["output_ids"]), window):
         count.truncated_dropped += 1
         return None
     if not record["output_ids"]:
@@ -271,7 +276,10 @@ def _fingerprint(table: SampleTable, order: np.ndarray, settings: Settings) -> s
     return h.hexdigest()
 
 
-def _check_unchanged(folder: Path, extracted: Path, fingerprint: str, force: bool) -> None:
+def _check_unchanged(settings: Settings, fingerprint: str, force: bool) -> None:
+    """Refuse a new set while extraction started on another: its rows are named by idx. With
+    ``force``, go on, unless rows of that folder hold the only copy of captured states."""
+    folder, extracted = training_dir(settings.output_dir), extraction_dir(settings)
     old = read_manifest(folder) if (folder / MANIFEST_NAME).is_file() else None
     if old is None or old.get("fingerprint") == fingerprint:
         return
@@ -279,11 +287,30 @@ def _check_unchanged(folder: Path, extracted: Path, fingerprint: str, force: boo
     if not started:
         return
     msg = (f"the training set changed since extraction started in {extracted}: its files are "
-           "named by idx, so new shards would overwrite them. Finish extraction on the old set, "
-           f"or remove {extracted} (or pass --force and remove it yourself)")
+           "named by idx, so new shards would overwrite them. ")
+    only = capture.only_copies(settings.output_dir, extracted)
+    if only:
+        raise TrainingSetChanged(msg + _only_copies_advice(extracted, only, force))
+    msg += (f"Finish extraction on the old set, or remove {extracted} (or pass --force and "
+            "remove it yourself)")
     if not force:
         raise TrainingSetChanged(msg)
     log.warning("forced: %s", msg)
+
+
+def _only_copies_advice(extracted: Path, only: list[tuple[Path, str]], force: bool) -> str:
+    """What to do when rows of ``extracted`` hold the only copy of captured states: never
+    remove the folder (with ``force`` too: the new set would lead there)."""
+    aside = extracted.with_name(f"{extracted.name}.previous")
+    mark, row = only[0]
+    return (f"{len(only)} of its rows hold the only copy of their samples' captured states "
+            f"(keep_captured_states = false freed the files the build read: e.g. {mark.name} "
+            f"went into {extracted / row}), so removing {extracted} loses them for good"
+            f"{' and --force does not lead there' if force else ''}. Finish extraction on "
+            f"the old set; or keep those rows: move the folder aside (mv {extracted} {aside}; "
+            f"SpecForge trains on it as it is) and prepare again; a new extraction builds "
+            f"those samples only if they are generated again (or kept with "
+            f"keep_captured_states = true before the next build)")
 
 
 class _Reader:

@@ -141,3 +141,67 @@ def test_prepare_still_counts_the_records_whose_files_the_build_freed(tmp_path: 
     assert pruned == (0, 0)
     assert len(list((run / "states" / "B1").glob(f"*{capture.BUILT}"))) == 3
     assert json.dumps(after["shards"]) == json.dumps(before["shards"])
+
+
+def test_a_changed_set_says_which_rows_hold_the_only_states_and_its_advice_loses_none(
+        tmp_path: Path) -> None:
+    # Given: a run's 3 captured samples built into the extraction folder with
+    # keep_captured_states off (their captured files freed: the rows hold the only copy)
+    import re
+
+    import torch
+    from safetensors.torch import load_file
+
+    from datagen.training.training_set import (
+        TrainingSetChanged,
+        extraction_dir,
+        read_manifest,
+        training_dir,
+    )
+    from datagen.training.training_set import prepare as prepare_set
+
+    run = tmp_path / "run"
+    captured_records(run, 3)
+    captured = {i: {k: v.clone() for k, v in  # copied: the build truncates the file
+                    load_file(str(run / "states" / "B1" / f"r{i}{capture.SUFFIX}")).items()}
+                for i in range(3)}
+    settings = Settings(output_dir=str(run), shard_samples=4)
+    prepare_set(settings, {}, None)
+    shard = run / read_manifest(training_dir(run))["shards"][0]["path"]
+    model, _ = captured_shard(tmp_path, [])
+    extracted = extraction_dir(settings)
+    with Extractor(config(model, extracted, run_dir=str(run))) as ex:
+        assert ex.run_shard(shard).written == 3
+    assert not list((run / "states" / "B1").glob(f"*{capture.SUFFIX}"))
+
+    # When: the records change (one more sample), and prepare runs, then with --force
+    captured_records(run, 4)
+    with pytest.raises(TrainingSetChanged) as refused:
+        prepare_set(settings, {}, None)
+    with pytest.raises(TrainingSetChanged) as forced:
+        prepare_set(settings, {}, None, force=True)
+
+    # Then: both say how many rows hold the only copy and where, and --force does not go on
+    # (the old advice, "remove the folder (or pass --force)", lost those states for good)
+    for said in (str(refused.value), str(forced.value)):
+        assert "3 of its rows hold the only copy" in said
+        assert f"removing {extracted} loses them for good" in said
+        assert "or remove" not in said
+    assert "--force does not lead there" in str(forced.value)
+    assert read_manifest(training_dir(run))["samples"] == 3  # nothing rewritten
+
+    # When: the operator follows the advice: the folder moved aside, prepare again
+    aside = Path(re.search(r"mv \S+ (\S+?);", str(refused.value)).group(1))
+    extracted.rename(aside)
+    tset = prepare_set(settings, {}, None)
+
+    # Then: the new set is written, and every sample's states are there, whole, in the row
+    # its mark names under the folder kept aside: nothing lost
+    assert tset.samples == 4
+    for i in range(3):
+        row = capture.built_row(run / "states" / "B1" / f"r{i}{capture.SUFFIX}")
+        states = torch.load(aside / row, weights_only=True)
+        n = len(states["input_ids"])
+        assert states["input_ids"].tolist() == captured[i]["input_ids"][:n].tolist()
+        assert torch.equal(states["hidden_state"][0], captured[i]["hidden_state"][:n])
+        assert torch.equal(states["aux_hidden_state"][0], captured[i]["aux_hidden_state"][:n])

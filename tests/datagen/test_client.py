@@ -253,4 +253,25 @@ def test_a_resolver_that_did_not_answer_in_time_is_no_verdict_on_the_server_s_ho
         raise error
 
     monkeypatch.setattr(socket, "create_connection", connect)
-    assert SGLangClient("http://sglang:30000").reachable() is reachable
+    assert SGLangClient("http://sglang:30000", unresolved_grace_s=60.0).reachable() is reachable
+
+
+def test_a_name_that_stays_unresolved_past_the_grace_is_a_host_gone_and_a_lookup_resets_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a client whose server's name does not resolve (a removed container), no grace
+    outcome: dict[str, BaseException] = {"error": socket.gaierror(socket.EAI_NONAME, "unknown")}
+
+    def connect(*args: object, **kwargs: object) -> None:
+        raise outcome["error"]
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    client = SGLangClient("http://sglang:30000", unresolved_grace_s=0.0)
+    # Then: the host is gone at once; with a grace it would be no verdict
+    assert client.reachable() is False
+    # When: a lookup succeeds (the server refuses: the host is up), then fails again
+    outcome["error"] = ConnectionRefusedError(111, "Connection refused")
+    assert client.reachable() is True
+    graced = SGLangClient("http://sglang:30000", unresolved_grace_s=3600.0)
+    outcome["error"] = socket.gaierror(socket.EAI_NONAME, "unknown")
+    # Then: a new run of failures starts its own grace
+    assert graced.reachable() is True and graced.reachable() is True

@@ -128,6 +128,16 @@ class BackAgain:
         return True
 
 
+def ledger_with_one_task(settings: Settings) -> tuple[Ledger, Job]:
+    """A run's ledger with one task of dataset A (sample s1) pending."""
+    led = Ledger(connect(settings.redis_url), settings)
+    led.register(["A"])
+    led.mark_run()
+    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
+    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    return led, job
+
+
 def worker_with_one_task(redis_url: str, server: dict[str, bool]
                          ) -> tuple[Any, Ledger, Job, Heartbeat]:
     """A worker process's context (lease 60 s, up to 3 retries, a server client whose
@@ -136,11 +146,7 @@ def worker_with_one_task(redis_url: str, server: dict[str, bool]
     from datagen.generation import runner
 
     settings = Settings(redis_url=redis_url, lease_s=60.0, max_retries=3)
-    led = Ledger(connect(redis_url), settings)
-    led.register(["A"])
-    led.mark_run()
-    job = Job("A", "s1", "short", "prompts/A/x.jsonl", 0, 5, 100)
-    led.add_pending("A", {"s1": json.dumps(job.payload())})
+    led, job = ledger_with_one_task(settings)
     book = LeaseBook(led, "w1")
     beat = Heartbeat(led, book, settings.lease_s, lambda j: None, server_ok=lambda: server["ok"])
     ctx = runner.Context(settings, led, BackAgain(), None, "w1", book)  # type: ignore[arg-type]
@@ -330,3 +336,121 @@ def test_a_sweep_leaves_a_claimed_sample_alone_until_its_worker_ends_it_or_dies(
     assert 0 < led.r.pttl(keys.worker_claims("w2")) <= led.settings.lease_s * 1000
     led.r.delete(keys.worker_claims("w2"))
     assert sweep(led, requeued.append, 60) == 1 and requeued == [job, job]
+
+
+class Resolver:
+    """``socket.getaddrinfo`` with the server's name failing ``failures`` times (None: for
+    good) with EAI_NONAME, as a container network's DNS does; then it resolves to 127.0.0.1."""
+
+    def __init__(self, name: str, failures: int | None):
+        import socket
+
+        self.name, self.failures, self.failed = name, failures, 0
+        self._real = socket.getaddrinfo
+
+    def __call__(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        import socket
+
+        if host == self.name:
+            if self.failures is None or self.failed < self.failures:
+                self.failed += 1
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            host = "127.0.0.1"
+        return self._real(host, port, *args, **kwargs)
+
+
+@contextmanager
+def server_named(monkeypatch: pytest.MonkeyPatch, failures: int | None
+                 ) -> Iterator[tuple[str, Resolver]]:
+    """A listening server's URL under a name the patched resolver answers for."""
+    import socket
+
+    resolver = Resolver("datagen-server.test", failures)
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        yield f"http://datagen-server.test:{listener.getsockname()[1]}", resolver
+    finally:
+        listener.close()
+
+
+def test_a_name_that_fails_to_resolve_for_a_moment_ends_no_lease(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a worker's request in flight (lease 60 s: a grace of 30 s for its server's
+    # name), its heartbeat probing the server through the client, and a resolver that fails
+    # three lookups of the server's name, then answers (Podman's DNS on a loaded host)
+    from datagen.client import UNRESOLVED_GRACE_LEASES, SGLangClient
+
+    lease_s = 60.0
+    led, _ = ledger_with_one_task(Settings(redis_url=redis_url, lease_s=lease_s))
+    book = LeaseBook(led, "w1")
+    assert led.admit("A", "s1", "r1", "w1", 5, 100).status == "ok"
+    book.hold("A", "s1", "r1")
+    told: list[bool] = []
+    with server_named(monkeypatch, failures=3) as (url, resolver):
+        client = SGLangClient(url, unresolved_grace_s=lease_s * UNRESOLVED_GRACE_LEASES)
+        beat = Heartbeat(led, book, lease_s, lambda j: None, server_ok=client.reachable,
+                         on_server=told.append)
+        # When: the watcher probes through the failures and after them
+        probes = [beat.check_server() for _ in range(5)]
+    # Then: no probe lost the server; the lease was never ended, so no reaper re-runs the
+    # sample beside its request (nothing stored twice)
+    assert resolver.failed == 3 and probes == [True] * 5 and told == []
+    assert not book.lapsed("r1") and not book.server_lost.is_set()
+    sec, usec = led.r.time()
+    assert led.r.zscore(led.k("A", keys.LEASES), "s1") > sec + usec / 1e6
+    assert reap(led, lambda j: None) == 0
+    assert {s: e["rid"] for s, e in led.in_flight("A").items()} == {"s1": "r1"}
+
+
+def test_a_name_gone_for_good_loses_the_server_after_the_grace_and_the_task_does_not_stall(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a worker (lease 2 s: a grace of 1 s) whose server's name stopped resolving for
+    # good (its container removed), its heartbeat running, and a task of s1 whose request
+    # fails on the name
+    import threading
+
+    from datagen.client import UNRESOLVED_GRACE_LEASES, SGLangClient
+    from datagen.generation import runner
+
+    settings = Settings(redis_url=redis_url, lease_s=2.0, max_retries=3)
+    led, job = ledger_with_one_task(settings)
+    book = LeaseBook(led, "w1")
+    told: list[bool] = []
+    sent: list[str] = []
+
+    def generate(ctx: runner.Context, job: Job, lease: Any) -> runner.Outcome:
+        sent.append(lease.rid)
+        ctx.client.generate([1, 2, 3], {"max_new_tokens": 4}, lease.rid)
+        raise AssertionError("the name resolved")
+
+    monkeypatch.setattr(runner, "_generate_admitted", generate)
+    with server_named(monkeypatch, failures=None) as (url, _):
+        client = SGLangClient(url, kind="sglang",
+                              unresolved_grace_s=settings.lease_s * UNRESOLVED_GRACE_LEASES)
+        ctx = runner.Context(settings, led, client, None, "w1", book)  # type: ignore[arg-type]
+        beat = Heartbeat(led, book, settings.lease_s, lambda j: None,
+                         server_ok=client.reachable, on_server=told.append)
+        beat.start()
+        try:
+            # When: the task runs (the old rule, every failed lookup "reachable", kept its
+            # retry waiting on the server's health for an hour)
+            outcome: list[runner.Outcome] = []
+            task = threading.Thread(target=lambda: outcome.append(runner.run_job(ctx, job)),
+                                    daemon=True)
+            task.start()
+            task.join(120)
+        finally:
+            beat.stop()
+    # Then: the heartbeat lost the server once its name stayed unknown past the grace, and the
+    # task ended: the sample handed back to the queue (or, if the grace had run out before
+    # its own check, its lease ended for a reaper); never sent twice from here
+    assert not task.is_alive(), "the task still waits on a server whose name is gone"
+    assert told == [False] and book.server_lost.is_set()
+    (done,) = outcome
+    assert done.status in ("requeue", "lapsing"), done
+    assert len(sent) == 1
+    if done.status == "requeue":
+        assert led.in_flight("A") == {}
+    else:
+        assert reap(led, lambda j: None) == 1

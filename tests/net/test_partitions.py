@@ -172,7 +172,7 @@ def assert_exact(fleet: Fleet, expected: int, reruns: bool = False) -> list[dict
     assert len(merged) == len({r["id"] for r in merged}) == expected
     snap = ledger.snapshot("B1")
     assert snap["stats"]["samples"] == expected
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in merged)
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in merged)
     if not reruns:
         assert snap["stats"].get("reaped", 0) == 0, "a live request was taken for a dead one"
     assert len(fleet.starts()) == expected + snap["stats"].get("reaped", 0), \
@@ -392,7 +392,7 @@ def test_the_server_host_gone_and_replaced_strands_nothing(fleet: Fleet) -> None
     merged = [json.loads(x) for x in Path(merge_dataset(
         fleet.settings.output_dir, "B1", ledger.committed("B1")).path).read_text().splitlines()]
     assert len({r["id"] for r in merged}) == len(merged) == 12
-    assert ledger.snapshot("B1")["tokens"] == sum(r["completion_tokens"] for r in merged)
+    assert ledger.snapshot("B1")["tokens"] == sum(r["trainable_tokens"] for r in merged)
     again = sorted(e["time"] - back_at for e in fleet.starts() if e["time"] >= back_at)
     assert len(again) == left, (left, again)
     assert 0 < again[0] <= fleet.settings.lease_s + 2, again

@@ -171,7 +171,7 @@ def test_a_budget_close_with_abort_stops_what_is_in_flight_and_counts_none_of_it
     recs = [json.loads(x) for x in Path(merged.path).read_text().splitlines()]
     assert len(recs) == len({r["id"] for r in recs}) == len(committed)
     snap = ledger.snapshot(dataset)
-    assert snap["tokens"] == sum(r["completion_tokens"] for r in recs)
+    assert snap["tokens"] == sum(r["trainable_tokens"] for r in recs)
     assert snap["stats"]["samples"] == len(recs)
     assert all(r["finish_reason"]["type"] != "abort" for r in recs)
 

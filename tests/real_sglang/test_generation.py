@@ -106,7 +106,7 @@ def test_a_real_server_run_stores_transformers_greedy_outputs(
     recs = list(iter_records(records_dir(settings.output_dir, dataset)))
     assert sorted(r["id"] for r in recs) == sorted([f"s{i}" for i in range(22)]
                                                    + [f"l{i}" for i in range(4)])
-    assert ledger.snapshot(dataset)["tokens"] == sum(r["completion_tokens"] for r in recs)
+    assert ledger.snapshot(dataset)["tokens"] == sum(r["trainable_tokens"] for r in recs)
     assert {r["queue"] for r in recs if r["id"].startswith("l")} == {"long"}
     log = real_sglang.served(dataset)
     for rec in recs:

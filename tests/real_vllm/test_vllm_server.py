@@ -440,7 +440,7 @@ def test_a_worker_run_on_vllm_stores_each_sample_once_and_counts_its_tokens(
     assert merged.records == 12 and merged.duplicates == 0
     recs = list(iter_records(records_dir(settings.output_dir, "B1_vllm")))
     assert sorted(r["id"] for r in recs) == sorted(f"s{i}" for i in range(12))
-    assert ledger.snapshot("B1_vllm")["tokens"] == sum(r["completion_tokens"] for r in recs)
+    assert ledger.snapshot("B1_vllm")["tokens"] == sum(r["trainable_tokens"] for r in recs)
     for rec in recs:
         assert rec["prompt_ids"] == stack.encoder.encode(rec["messages"])
         assert len(rec["output_ids"]) == rec["completion_tokens"] > 0
@@ -569,7 +569,7 @@ def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
     committed = {s: v.split(" ")[0] for s, v in ledger.committed(dataset).items()}
     assert all(committed[s] != rid for s, rid in lost.items())
     snap = ledger.snapshot(dataset)
-    assert snap["tokens"] == 32 * 160
+    assert snap["tokens"] == 32 * 159  # 160 generated; the row's last trains nothing
     ran = [rid for rid in lost.values() if vllm.added(rid)]
     assert ran, "the kill found no request of the worker running on vLLM"
     log = vllm.log.read_text(errors="replace")
@@ -611,7 +611,7 @@ def test_a_budget_stops_the_dataset_on_vllm_and_nothing_runs_on(
     committed = ledger.committed(dataset)
     merged = merge_dataset(settings.output_dir, dataset, committed)
     assert merged.duplicates == 0 and merged.records == snap["stats"]["samples"] < 40
-    assert snap["tokens"] == cap * merged.records
+    assert snap["tokens"] == (cap - 1) * merged.records  # the row's last trains nothing
     log = vllm.log.read_text(errors="replace")
     ran = set(re.findall(rf"Added request generate-tokens-({rid_prefix(dataset)}[0-9a-f]+)",
                          log))

@@ -117,6 +117,21 @@ def test_truncation_policy(tmp_path, keep):
     assert (b1.records, b1.truncated_dropped, b1.no_ids) == (3, 0 if keep else 1, 1)
 
 
+def test_a_truncated_row_that_reaches_the_window_is_kept_with_keep_truncated_off(tmp_path):
+    # Given: two answers cut at max_new_tokens, one short of train_max_length (8), one whose
+    # row reaches it (cap_to_window capped it there: the trainer would cut it there anyway)
+    out = tmp_path / "out"
+    write_records(out, "B1", [record("B1", "short", [1, 2], [5, 6, 7], truncated=True,
+                                     finish_reason="length"),
+                              record("B1", "window", [1, 2], [5, 6, 7, 8, 9, 10],
+                                     truncated=True, finish_reason="length")])
+    # When: prepared with keep_truncated off
+    tset = prepare(settings_for(out, keep_truncated=False, train_max_length=8), {}, None)
+    # Then: only the one cut inside the window is dropped
+    assert [x["id"] for x in shard_lines(out)] == ["window"]
+    assert tset.datasets[0].truncated_dropped == 1
+
+
 def test_only_committed_records_when_the_ledger_answers(tmp_path):
     out = tmp_path / "out"
     write_records(out, "B1", some_records(3))
