@@ -198,7 +198,11 @@ class Bench:
                     "DATAGEN_TOKENIZER_PATH": str(self.tokenizer),
                     "DATAGEN_SHORT_CONCURRENCY": str(a.short_concurrency),
                     "DATAGEN_LONG_CONCURRENCY": str(a.long_concurrency),
-                    "DATAGEN_TOKEN_BUDGET": str(10**15)}  # never closes
+                    "DATAGEN_TOKEN_BUDGET": str(10**15),  # never closes
+                    # The direct client sends every prompt with classify's max_new_tokens;
+                    # the window's cap would skip the long prompts (over train_max_length)
+                    # in the pipeline alone, and the two would not run the same requests.
+                    "DATAGEN_CAP_TO_WINDOW": "false"}
 
     def start_workers(self) -> None:
         for name, threads in self.worker_limits().items():
@@ -376,7 +380,9 @@ def run_pipeline(bench: Bench, rows: list[dict[str, Any]], rnd: int) -> dict[str
         follow(ledger, 0.05, app=app, timeout_s=bench.args.run_timeout_s)
     ended, ended_clock = time.monotonic(), time.time()
     snap = ledger.snapshot(dataset)
-    out = monitor.finish(ended - first_send[0], snap["tokens"])
+    # Generated tokens, as the direct client sums them: the budget's count ("tokens") is
+    # the trainable share with budget_counts "trainable", and would deflate the ratio.
+    out = monitor.finish(ended - first_send[0], int(snap["stats"].get("completion_tokens", 0)))
     out.update(mode="pipeline", round=rnd, wall_from_producer_start_s=round(ended - started, 3),
                server=occupancy(bench.sim_get("/_sim/log"), first_send[1], ended_clock,
                                 sum(bench.limits().values())),

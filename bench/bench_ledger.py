@@ -23,6 +23,11 @@ events) is not in it; ``--system`` adds a run through a real Celery worker and r
 Redis's own count of client reads per sample (every client: producer, kombu, events,
 ledger).
 
+Part "model" (``--parts model``), a worker's CPU per refresh of the length model (what
+``Ledger.refresh_model`` computes four times a second: ``length_model`` and ``encode_model``)
+at LENGTHS_KEPT lengths and 180 requests in flight, this tree's admission.py beside
+``--before REV``'s in alternating blocks; both must give the same bytes.
+
     .venv/bin/python bench/bench_ledger.py              # ~1 min
     .venv/bin/python bench/bench_ledger.py --system     # + the whole-system figure
 """
@@ -92,7 +97,8 @@ def parse_args() -> argparse.Namespace:
                    help="times the cap cases run (alternating with --before's)")
     p.add_argument("--parts", default="server,caps,traffic",
                    help="comma list of server (per-call cost against --old), caps (one cap "
-                        "against distinct caps, against --before), traffic (per sample)")
+                        "against distinct caps, against --before), traffic (per sample), "
+                        "model (CPU per length-model refresh, against --before)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "bench_ledger.json"))
     return p.parse_args()
 
@@ -131,13 +137,19 @@ class Layout(NamedTuple):
 THIS_LAYOUT = Layout(bucket_field, BUCKET_COUNT, encode_model)
 
 
-def layout_of(rev: str) -> Layout:
-    """REV's admission.py, loaded from git: its bucket_field, BUCKET_COUNT and the model's
-    encoding (JSON of ``stored`` before ``encode_model``)."""
+def admission_at(rev: str) -> dict[str, Any]:
+    """REV's admission.py, loaded from git: its module namespace."""
     source = subprocess.run(["git", "show", f"{rev}:datagen/generation/admission.py"],
                             cwd=REPO, capture_output=True, text=True, check=True).stdout
     space: dict[str, Any] = {"__name__": f"admission_at_{rev}"}
     exec(compile(source, f"{rev}:datagen/generation/admission.py", "exec"), space)  # noqa: S102
+    return space
+
+
+def layout_of(rev: str) -> Layout:
+    """REV's bucket_field, BUCKET_COUNT and the model's encoding (JSON of ``stored`` before
+    ``encode_model``)."""
+    space = admission_at(rev)
     encode = space.get("encode_model") or (lambda m: json.dumps(space["stored"](m)))
     return Layout(space["bucket_field"], space["BUCKET_COUNT"], encode)
 
@@ -504,6 +516,34 @@ def system(args: argparse.Namespace, tmp: Path, tokenizer: Path, encoder: ChatEn
             sim.stop()
 
 
+# -- part "model": CPU per length-model refresh --------------------------------------------
+
+
+def part_model(args: argparse.Namespace, blocks: int = 6, per_block: int = 10
+               ) -> dict[str, Any]:
+    """ms of CPU (this thread's) per length_model + encode_model, median of alternating
+    blocks, this tree against --before's admission.py; their models' bytes compared."""
+    lengths = lognormal(keys.LENGTHS_KEPT)
+    rng = random.Random(5)
+    censored = [rng.uniform(0, 3000) for _ in range(180)]
+    trees = {"this": {"length_model": length_model, "encode_model": encode_model}}
+    if args.before:
+        trees[args.before] = admission_at(args.before)
+    packed = {name: t["encode_model"](t["length_model"](lengths, RATE, 1.0, censored, 10240))
+              for name, t in trees.items()}
+    ms: dict[str, list[float]] = {name: [] for name in trees}
+    for _ in range(blocks):
+        for name, t in trees.items():
+            started = time.thread_time()
+            for _ in range(per_block):
+                t["encode_model"](t["length_model"](lengths, RATE, 1.0, censored, 10240))
+            ms[name].append(1000 * (time.thread_time() - started) / per_block)
+    return {"lengths": len(lengths), "censored": len(censored),
+            "same_bytes": len(set(packed.values())) == 1,
+            "ms_per_refresh": {name: round(median(v), 2) for name, v in ms.items()},
+            "blocks": {name: [round(x, 2) for x in v] for name, v in ms.items()}}
+
+
 def main() -> int:
     args = parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as name:
@@ -515,14 +555,19 @@ def main() -> int:
         distinct = part1_caps(args, tmp) if "caps" in parts else []
         traffic = part2(args, tmp, tokenizer, encoder) if "traffic" in parts else None
         whole = system(args, tmp, tokenizer, encoder) if args.system else None
+        model = part_model(args) if "model" in parts else None
     print_tables(rows, distinct, traffic, whole)
+    if model:
+        print(f"\nlength-model refresh at {model['lengths']:,} lengths, {model['censored']} in "
+              f"flight, ms of CPU (median): {model['ms_per_refresh']}; same bytes: "
+              f"{model['same_bytes']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": {"cores": os.cpu_count(), "python": platform.python_version(),
                     "redis": f"{redis_binary()} {redis_version(redis_binary())}"},
         "args": vars(args), "server_time": rows, "distinct_caps": distinct, "traffic": traffic,
-        "system": whole},
+        "system": whole, "model": model},
         indent=2))
     return 0
 

@@ -51,6 +51,11 @@ def test_bench_generate_measures_the_pipeline_the_client_and_the_celery_floor(
     tp = data["throughput"]["2ms"]
     assert len(tp["ratios"]) == 1 and tp["ratios"][0] > 0
     assert tp["worker_cpu_s_per_1000"][0] > 0 and tp["direct_cpu_s_per_1000"][0] > 0
+    # Both sides ran the same requests (the long prompts too) and count the same tokens: the
+    # generated ones, whatever the budget counts
+    pipe, direct = tp["runs"]
+    assert pipe["samples"] == 120 and direct["failed"] == 0
+    assert pipe["tokens"] == direct["tokens"] == pipe["sim_tokens_generated"]
     # The no-op worker held each task as long as the pipeline's median request, and ran all
     floor = data["floor"]["2ms"]
     assert floor["tasks"] == 120

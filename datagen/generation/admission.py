@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -120,32 +121,36 @@ def _msgpack(value: Any) -> bytes:
             out += [bytes([0xA0 | len(name)]), name, _msgpack(item)]
         return b"".join(out)
     if isinstance(value, list | tuple):
-        return b"\xdd" + struct.pack(">I", len(value)) + b"".join(map(_msgpack, value))
-    if isinstance(value, int | float) and not isinstance(value, bool):
+        head = b"\xdd" + struct.pack(">I", len(value))
+        if all(_is_number(x) for x in value):  # the model's lists: one pack for all of them
+            return head + struct.pack(">" + "Bd" * len(value),
+                                      *(v for x in value for v in (0xCB, x)))
+        return head + b"".join(map(_msgpack, value))
+    if _is_number(value):
         return b"\xcb" + struct.pack(">d", value)
     raise TypeError(f"a model holds numbers, lists and maps, not {type(value).__name__}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _kaplan_meier(events: list[int], censored: list[float]
                   ) -> tuple[list[float], list[float]]:
-    """Distinct observation points and the survival S(t) just after each."""
-    obs = sorted([(float(x), 1) for x in events] + [(float(x), 0) for x in censored])
-    at_risk = len(obs)
-    points: list[float] = []
+    """Distinct observation points and the survival S(t) just after each (the observations
+    counted per point: a refresh reads up to LENGTHS_KEPT lengths, four times a second)."""
+    deaths = Counter(map(float, events))
+    removed = deaths.copy()
+    removed.update(map(float, censored))
+    at_risk = len(events) + len(censored)
+    points = sorted(removed)
     survival: list[float] = []
     s = 1.0
-    i = 0
-    while i < len(obs):
-        t = obs[i][0]
-        deaths = removed = 0
-        while i < len(obs) and obs[i][0] == t:
-            deaths += obs[i][1]
-            removed += 1
-            i += 1
-        if deaths:
-            s *= 1.0 - deaths / at_risk
-        at_risk -= removed
-        points.append(t)
+    for t in points:
+        died = deaths.get(t, 0)
+        if died:
+            s *= 1.0 - died / at_risk
+        at_risk -= removed[t]
         survival.append(s)
     return points, survival
 

@@ -12,6 +12,7 @@ count without a record. A torn last line (killed mid-write) is skipped when read
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -58,42 +59,88 @@ def merged_path(output_dir: str | Path, dataset: str) -> Path:
 
 
 class RecordWriter:
-    """Appends records to this process's own file per dataset; thread-safe."""
+    """Appends records to this process's own file per dataset; thread-safe.
+
+    ``append`` returns once its record is fsynced. One fsync makes durable every line
+    written to the file before it, so the threads whose lines an fsync covered return
+    without one of their own (a group commit): under load a few fsyncs cover many records
+    and no thread writes while waiting for another's fsync."""
 
     def __init__(self, output_dir: str | Path, writer_id: str | None = None):
         self.output_dir = Path(output_dir)
         self.writer_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self._lock = threading.Lock()
-        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()  # writes, and the files' table
+        self._files: dict[str, _Appended] = {}
 
     def append(self, record: Mapping[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n"
         data = line.encode("utf-8")
         with self._lock:
             try:
-                fh = self._file(str(record["dataset"]))
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+                out = self._file(str(record["dataset"]))
+                out.fh.write(data)
+                out.fh.flush()
             except OSError as exc:
-                raise StorageError(f"cannot write record {record['id']!r} under "
-                                   f"{self.output_dir}: {exc.strerror or exc}") from exc
+                raise self._failed(record, exc) from exc
+            out.written += 1
+            line_no = out.written
+        try:
+            out.sync(line_no)
+        except OSError as exc:
+            raise self._failed(record, exc) from exc
 
-    def _file(self, dataset: str) -> Any:
-        fh = self._files.get(dataset)
-        if fh is None:
+    def _failed(self, record: Mapping[str, Any], exc: OSError) -> StorageError:
+        return StorageError(f"cannot write record {record['id']!r} under "
+                            f"{self.output_dir}: {exc.strerror or exc}")
+
+    def _file(self, dataset: str) -> _Appended:
+        out = self._files.get(dataset)
+        if out is None:
             folder = records_dir(self.output_dir, dataset)
             folder.mkdir(parents=True, exist_ok=True)
             fh = open(folder / f"{self.writer_id}.jsonl", "ab")  # noqa: SIM115 (kept open)
             _end_torn_line(fh)
-            self._files[dataset] = fh
-        return fh
+            out = self._files[dataset] = _Appended(fh)
+        return out
 
     def close(self) -> None:
         with self._lock:
-            for fh in self._files.values():
-                fh.close()
+            for out in self._files.values():
+                out.close()
             self._files.clear()
+
+
+class _Appended:
+    """One records file: its lines written (flushed to the OS) and fsynced so far."""
+
+    def __init__(self, fh: Any):
+        self.fh = fh
+        self.written = 0  # raised under the writer's lock, after its line is flushed
+        self.synced = 0
+        self.sync_lock = threading.Lock()
+
+    def sync(self, line_no: int) -> None:
+        """Return once line ``line_no`` is fsynced: by this fsync or a later-started one."""
+        with self.sync_lock:
+            if self.synced >= line_no:
+                return
+            if self.fh.closed:  # closed by ``close``, whose own fsync failed
+                raise OSError(errno.EBADF, "the records file was closed before its fsync")
+            upto = self.written  # flushed, all of them: this fsync covers them
+            os.fsync(self.fh.fileno())
+            self.synced = upto
+
+    def close(self) -> None:
+        """Close the file, fsyncing the lines a thread has written and not yet synced."""
+        with self.sync_lock:
+            try:
+                if self.synced < self.written:
+                    os.fsync(self.fh.fileno())
+                    self.synced = self.written
+            except OSError as exc:
+                log.warning("records file %s: fsync at close failed: %s", self.fh.name, exc)
+            finally:
+                self.fh.close()
 
 
 def _end_torn_line(fh: Any) -> None:

@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,6 +57,7 @@ class Context:
     worker_id: str
     leases: LeaseBook
     precise: bool = True
+    host: str = field(default_factory=socket.gethostname)  # every record's "host"
 
     @classmethod
     def create(cls, settings: Settings, worker_id: str | None = None) -> Context:
@@ -162,18 +163,18 @@ def _aux_layer_ids(aux: tuple[int, ...], model_path: str) -> list[int] | None:
     return capture.run_aux_layer_ids(aux, model_path)
 
 
-def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
+def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation, trained: int,
             extra: dict[str, Any] | None = None) -> None:
+    """Store the record; ``trained``: its ``trained_tokens``, which the commit counts too."""
     ctx.writer.append({
         "v": RECORD_VERSION, "id": job.sample, "dataset": job.dataset, "rid": rid,
         "queue": job.queue, "messages": prompt.messages, "prompt_ids": prompt.prompt_ids,
         "output_ids": gen.output_ids, "finish_reason": gen.finish_reason,
         "prompt_tokens": gen.prompt_tokens or len(prompt.prompt_ids),
         "completion_tokens": gen.completion_tokens, "truncated": gen.truncated,
-        "trainable_tokens": trained_tokens(ctx.settings, prompt, gen,
-                                           (extra or {}).get("turns")),
+        "trainable_tokens": trained,
         "server": ctx.client.base_url, "worker": ctx.worker_id,
-        "host": socket.gethostname(), "time": time.time(), "latency_s": gen.latency_s,
+        "host": ctx.host, "time": time.time(), "latency_s": gen.latency_s,
         **({"tools": prompt.tools} if prompt.tools else {}),
         # the server's log-probability of each output id (check_states, vLLM): extraction
         # checks the sample's final states against them
@@ -183,11 +184,10 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation,
 
 
 def commit(ctx: Context, job: Job, prompt: Prompt, lease: Lease, gen: Generation,
-           turns: list[dict[str, Any]] | None = None) -> Outcome:
-    """Count the stored record. While Redis is away, or has lost its state and is not yet
-    rebuilt, keep trying: the record is safe on disk, and counted once either way."""
-    trained = trained_tokens(ctx.settings, prompt, gen, turns)
-
+           trained: int) -> Outcome:
+    """Count the stored record (``trained``: its trainable tokens, as stored). While Redis
+    is away, or has lost its state and is not yet rebuilt, keep trying: the record is safe
+    on disk, and counted once either way."""
     def attempt() -> Commit:
         result = lease.commit(gen.prompt_tokens or len(prompt.prompt_ids),
                               gen.completion_tokens, gen.truncated, gen.latency_s,
@@ -302,8 +302,9 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
                                    "keep_truncated is off")
         # with capture on, a sample is never counted without its states: its record names them
         extra = await_states(ctx.settings, states, prompt, gen) if states else None
+        trained = trained_tokens(ctx.settings, prompt, gen)
         try:
-            persist(ctx, job, prompt, lease.rid, gen, extra)
+            persist(ctx, job, prompt, lease.rid, gen, trained, extra)
         except StorageError as exc:
             log.error("sample %s of %s not stored: %s", job.sample, job.dataset, exc)
             raise
@@ -311,7 +312,7 @@ def _generate_admitted(ctx: Context, job: Job, lease: Lease) -> Outcome:
     finally:
         if states and not recorded:  # no record will ever name this attempt's file
             capture.remove(states)
-    return commit(ctx, job, prompt, lease, gen)
+    return commit(ctx, job, prompt, lease, gen, trained)
 
 
 def _generate_conversation(ctx: Context, job: Job, prompt: Prompt, lease: Lease) -> Outcome:
@@ -328,8 +329,9 @@ def _generate_conversation(ctx: Context, job: Job, prompt: Prompt, lease: Lease)
         return _stopped(ctx, job, result)
     gen = result.as_generation()
     whole = replace(prompt, prompt_ids=result.prompt_ids, turn_ids=[])
-    persist(ctx, job, whole, lease.rid, gen, {"turns": result.turns})
-    return commit(ctx, job, whole, lease, gen, result.turns)
+    trained = trained_tokens(ctx.settings, whole, gen, result.turns)
+    persist(ctx, job, whole, lease.rid, gen, trained, {"turns": result.turns})
+    return commit(ctx, job, whole, lease, gen, trained)
 
 
 def _stopped(ctx: Context, job: Job, stop: Stopped) -> Outcome:
