@@ -117,6 +117,9 @@ class _Appended:
         self.fh = fh
         self.written = 0  # raised under the writer's lock, after its line is flushed
         self.synced = 0
+        # Lines an fsync covered and failed on: the kernel may have dropped their pages, so a
+        # later fsync that succeeds says nothing of them; each of their appends fails
+        self.failed_through = 0
         self.sync_lock = threading.Lock()
 
     def sync(self, line_no: int) -> None:
@@ -124,10 +127,16 @@ class _Appended:
         with self.sync_lock:
             if self.synced >= line_no:
                 return
+            if line_no <= self.failed_through:
+                raise OSError(errno.EIO, "an fsync that covered this record failed")
             if self.fh.closed:  # closed by ``close``, whose own fsync failed
                 raise OSError(errno.EBADF, "the records file was closed before its fsync")
             upto = self.written  # flushed, all of them: this fsync covers them
-            os.fsync(self.fh.fileno())
+            try:
+                os.fsync(self.fh.fileno())
+            except OSError:
+                self.failed_through = upto
+                raise
             self.synced = upto
 
     def close(self) -> None:

@@ -80,6 +80,33 @@ def test_a_failed_fsync_fails_the_append_and_the_next_one_syncs_again(tmp_path: 
     writer.close()
 
 
+def test_a_record_a_failed_fsync_covered_fails_though_a_later_fsync_succeeds(
+        tmp_path: Path, monkeypatch) -> None:
+    # Given a line flushed by one thread while another's fsync, which covers it, fails
+    writer = RecordWriter(tmp_path, "w")
+    writer.append(record(0))
+    out = writer._files["d"]
+    out.written += 1  # record 1's line: flushed, its thread not at its fsync yet
+    calls: list[int] = []
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(records.os, "fsync", fsync)
+    with pytest.raises(OSError):
+        out.sync(out.written)  # the other thread's fsync, covering line 2, fails
+    # When record 1's thread reaches its fsync, which would now succeed
+    # Then its append fails too: the kernel may have dropped that line's pages
+    with pytest.raises(OSError, match="covered this record failed"):
+        out.sync(2)
+    assert len(calls) == 1
+    writer.append(record(2))  # a line written after the failure syncs as usual
+    assert len(calls) == 2
+    writer.close()
+
+
 def test_close_fsyncs_what_was_written(tmp_path: Path, monkeypatch) -> None:
     writer = RecordWriter(tmp_path, "w")
     writer.append(record(0))
