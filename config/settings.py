@@ -72,6 +72,9 @@ class Settings:
     check_states: bool = True  # ask vLLM for the sampled logprobs and check every sample
     check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
     check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
+    # the dtype the generation server ran in (its --dtype): the logits' rounding the check
+    # allows (datagen/extraction/tolerance.py); auto: the checkpoint's config dtype
+    server_dtype: str = "auto"
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
@@ -228,6 +231,7 @@ class Settings:
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
+                              ("server_dtype", ("auto", *EXTRACT_DTYPES)),
                               ("extract_overlong", EXTRACT_OVERLONG),
                               ("extract_backend", EXTRACT_BACKENDS)):
             if getattr(self, name) not in allowed:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from datagen.errors import EngineLost, StorageError
-from datagen.extraction import backends
+from datagen.extraction import backends, tolerance
+from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.hf import (
     DTYPES,
     HFBackend,
@@ -57,6 +58,7 @@ from datagen.extraction.integrity import (
     CheckTally,
     StateCheck,
     StateCheckFailed,
+    require_finite,
 )
 from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
@@ -93,10 +95,12 @@ class ExtractionConfig:
     check_states: bool = True    # final states against the record's logprobs (integrity.py)
     check_positions_cpu: int = 32  # positions per sample on a CPU; all on a GPU; 0: all
     check_atol_nats: float = 0.01
+    server_dtype: str = "auto"   # the generation server's dtype (tolerance.py); auto: the model's
     keep_captured_states: bool = False  # captured: keep each file its row was built from
 
     def __post_init__(self) -> None:
-        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
+        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES,
+                   "server_dtype": ("auto", *tolerance.DTYPES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
@@ -190,18 +194,22 @@ class Extractor:
             return None
         model = getattr(backend, "model", None)
         head = model.get_output_embeddings() if model is not None else None
+        allowed = tolerance.for_extraction(cfg.backend, cfg.server_dtype,
+                                           text_config(cfg.model_path))
         if head is not None:
             return StateCheck(head.weight.detach(), self.device, cfg.check_atol_nats,
-                              cfg.check_positions_cpu)
+                              cfg.check_positions_cpu, allowed)
         return StateCheck.for_model(cfg.model_path, self.device, cfg.check_atol_nats,
-                                    cfg.check_positions_cpu)
+                                    cfg.check_positions_cpu, allowed)
 
-    def check(self, s: Sample, final: torch.Tensor) -> Checked | None:
-        """``final`` [n, H] of sample ``s`` against its logprobs; StateCheckFailed past the
-        tolerance. None when the check is off."""
+    def check(self, s: Sample, aux: torch.Tensor, final: torch.Tensor) -> Checked | None:
+        """Sample ``s``'s states (aux [n, 3H], final [n, H]): all finite (checked whether
+        check_states is on or not), then final against its logprobs; StateCheckFailed
+        otherwise. None when check_states is off."""
         if self.state_check is None:
+            require_finite(aux, final)
             return None
-        return self.state_check.check(s, final)
+        return self.state_check.check(s, final, aux)
 
     def metadata(self) -> dict[str, Any]:
         """What the files are (written to <extraction_dir>/extraction.json)."""
@@ -404,7 +412,7 @@ class Extractor:
             final[0].copy_(part[:, split:])
         finally:
             countdown.done()
-        checked = self.check(s, final[0])
+        checked = self.check(s, aux[0], final[0])
         rel = relative_path(s.idx)
         size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final))
         self._record(run, s, rel, checked)
@@ -426,8 +434,9 @@ class Extractor:
         file, then it is recorded."""
         rel = relative_path(s.idx)
         found: list[Checked | None] = []
-        size = self.runner.extract(s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
-                                   lambda final: found.append(self.check(s, final)))
+        size = self.runner.extract(
+            s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
+            lambda aux, final: found.append(self.check(s, aux, final)))
         self._record(run, s, rel, found[0] if found else None)
         self._recorded(s, rel)
         return size

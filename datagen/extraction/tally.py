@@ -12,6 +12,7 @@ No torch here: `datagen extract` and `datagen status` read it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,31 +34,45 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
             yield entry
 
 
-def _outcomes(folder: Path) -> dict[int, tuple[bool, int, float, str]]:
-    """idx -> (failed, positions, gap, id) of every sample written or failed by the check."""
-    out: dict[int, tuple[bool, int, float, str]] = {}
+def _gap(entry: dict[str, Any]) -> float:
+    """The line's gap; 0.0 where it is missing or not a finite number."""
+    try:
+        gap = float(entry.get("gap") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return gap if math.isfinite(gap) else 0.0
+
+
+def _outcomes(folder: Path) -> dict[int, tuple[bool, int, float, str, bool]]:
+    """idx -> (failed, positions, gap, id, non-finite) of every sample written or failed
+    by the check."""
+    out: dict[int, tuple[bool, int, float, str, bool]] = {}
     letters = folder / DEAD_LETTERS
     if letters.is_file():
         for e in _lines(letters):
             if e.get("kind") == "sample" and "gap" in e:
-                out[e["idx"]] = (True, int(e.get("checked") or 0), float(e["gap"]), str(e["id"]))
+                out[e["idx"]] = (True, int(e.get("checked") or 0), _gap(e), str(e["id"]),
+                                 bool(e.get("nonfinite")))
     for path in sorted((folder / MANIFEST_DIR).glob("*.jsonl")):
         for e in _lines(path):  # written: it passed, whatever an earlier run found
-            out[e["idx"]] = (False, int(e.get("checked") or 0), float(e.get("gap") or 0.0),
-                             str(e.get("id")))
+            out[e["idx"]] = (False, int(e.get("checked") or 0), _gap(e), str(e.get("id")),
+                             False)
     return out
 
 
 def run_total(folder: Path) -> dict[str, Any]:
-    """{checked, failed, unchecked, positions, worst_gap, worst_idx, worst_id} of the run."""
-    total: dict[str, Any] = {"checked": 0, "failed": 0, "unchecked": 0, "positions": 0,
-                             "worst_gap": 0.0, "worst_idx": None, "worst_id": None}
-    for idx, (failed, positions, gap, sid) in sorted(_outcomes(folder).items()):
+    """{checked, failed, nonfinite, unchecked, positions, worst_gap, worst_idx, worst_id}
+    of the run (``nonfinite``: of the failed, those whose states held a NaN or inf)."""
+    total: dict[str, Any] = {"checked": 0, "failed": 0, "nonfinite": 0, "unchecked": 0,
+                             "positions": 0, "worst_gap": 0.0, "worst_idx": None,
+                             "worst_id": None}
+    for idx, (failed, positions, gap, sid, nonfinite) in sorted(_outcomes(folder).items()):
         if not positions and not failed:
             total["unchecked"] += 1
             continue
         total["checked"] += 1
         total["failed"] += failed
+        total["nonfinite"] += nonfinite
         total["positions"] += positions
         if total["worst_idx"] is None or gap > total["worst_gap"]:
             total.update(worst_gap=round(gap, 6), worst_idx=idx, worst_id=sid)
@@ -91,6 +106,8 @@ def describe(total: dict[str, Any]) -> str:
     """One line: what was checked, what failed and the worst gap."""
     line = (f"state check: {total['checked']:,} samples checked ({total['positions']:,} "
             f"positions), {total['failed']:,} failed")
+    if total.get("nonfinite"):
+        line += f" ({total['nonfinite']:,} with NaN or inf states)"
     if total["checked"]:
         line += (f", worst gap {total['worst_gap']:.3g} nats (sample idx {total['worst_idx']}, "
                  f"id {total['worst_id']!r})")
