@@ -233,3 +233,21 @@ def test_a_nan_in_a_captured_file_is_dead_lettered_even_with_check_states_off(
         assert result.failures[0].check.nonfinite == 1
         assert result.check.failed == 1
         assert not list(out.rglob("data_1.ckpt"))
+
+
+def test_chunked_logits_measure_what_all_at_once_does(model: Path) -> None:
+    # the logits of 5 positions at a time, or of all 20 at once: the same gaps, the same
+    # worst position, for true states and for states one position late
+    sample, states = one_sample(model, [1, 5, 9], 20)
+    final = states["hidden_state"]
+    checks = [StateCheck.for_model(str(model), torch.device("cpu"), 1e-3, 0)
+              for _ in range(2)]
+    checks[0].chunk_positions, checks[1].chunk_positions = 5, 0
+    assert checks[0].chunk(VOCAB) == 5 and StateCheck(torch.ones(1), torch.device("cpu"),
+                                                      0.0, 0).chunk(163840) == 409
+    for states_given in (final, torch.roll(final, 1, 0)):
+        chunked, whole = (c.measure(sample, states_given) for c in checks)
+        assert chunked.positions == whole.positions == 20
+        assert chunked.position == whole.position
+        assert chunked.gap == pytest.approx(whole.gap, abs=1e-6)
+        assert chunked.excess == pytest.approx(whole.excess, abs=1e-6)
