@@ -72,9 +72,10 @@ class Settings:
     check_states: bool = True  # ask vLLM for the sampled logprobs and check every sample
     check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
     check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
-    # the dtype the generation server ran in (its --dtype): the logits' rounding the check
-    # allows (datagen/extraction/tolerance.py); auto: the checkpoint's config dtype
-    server_dtype: str = "auto"
+    # The state check allows the rounding of the dtype the generation server ran in
+    # (datagen/extraction/tolerance.py), not the stored states' dtype: set it when the
+    # server was started with another --dtype than the checkpoint's config.json names.
+    server_dtype: str = "auto"  # the generation server's --dtype; auto: the checkpoint's own
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
