@@ -15,7 +15,7 @@ the files happen to be stored in:
   run another forward of the same ids): that forward carries its own error through every
   layer, ``RECOMPUTE`` times the base (measured 2026-12-06: a tiny Llama's bf16
   log-probabilities against its float32 states, 300 positions, came to 1.0-1.24 times the
-  base at the worst position; tests/datagen/extraction/test_tolerance.py); on a MoE model a
+  base at the worst position; bench/bench_state_check_tolerance.py); on a MoE model a
   router score that rounds the other way sends a token to another expert and moves its state
   by percents (vLLM's MLA + MoE against transformers' in float32: 0.4-1.6%, 3% at most,
   tests/real_vllm/test_vllm_backend.py), so a recompute on a MoE model allows ``MOE_RTOL``
