@@ -76,6 +76,11 @@ class Settings:
     # (datagen/extraction/tolerance.py), not the stored states' dtype: set it when the
     # server was started with another --dtype than the checkpoint's config.json names.
     server_dtype: str = "auto"  # the generation server's --dtype; auto: the checkpoint's own
+    # The `captured` build re-captures this share of samples (the first of each gpu process
+    # always) by a prefill of the same ids on server_url and compares every layer with the
+    # file captured while generating: a disagreement fails the sample and is an alert in
+    # `datagen status` (datagen/extraction/recapture.py). 0: never.
+    recapture_share: float = 0.01  # share of captured samples cross-checked on the server
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # the partition folder: one entry per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
@@ -241,6 +246,9 @@ class Settings:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if not 0.0 <= self.recapture_share <= 1.0:
+            raise SettingsError(f"recapture_share: {self.recapture_share!r} must be between 0 "
+                                "and 1")
         if self.check_positions_cpu < 0 or self.check_atol_nats <= 0:
             raise SettingsError(f"check_positions_cpu {self.check_positions_cpu!r} must be "
                                 f">= 0 and check_atol_nats {self.check_atol_nats!r} > 0")

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from datagen.extraction.integrity import (
 )
 from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
+from datagen.extraction.recapture import Recapture
 from datagen.training import vocab_mapping as vm
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
@@ -96,6 +97,9 @@ class ExtractionConfig:
     check_positions_cpu: int = 32  # positions per sample on a CPU; all on a GPU; 0: all
     check_atol_nats: float = 0.01
     server_dtype: str = "auto"   # the generation server's dtype (tolerance.py); auto: the model's
+    recapture_share: float = 0.0  # captured: samples re-captured on server_url (recapture.py)
+    server_url: str = ""         # the generation server (recapture_share)
+    api_key: str | None = None
     keep_captured_states: bool = False  # captured: keep each file its row was built from
 
     def __post_init__(self) -> None:
@@ -178,6 +182,7 @@ class Extractor:
         self.staging = None if self.writes_files else HostStaging(
             self.device, backend.width, self.dtype, max(cfg.batch_tokens, cfg.max_length))
         self.state_check = self._state_check(backend)
+        self.recapture = self._recapture()
         if self.writes_files:
             self.writer = AsyncWriter(backend.inflight, backend.inflight)
         else:
@@ -202,14 +207,32 @@ class Extractor:
         return StateCheck.for_model(cfg.model_path, self.device, cfg.check_atol_nats,
                                     cfg.check_positions_cpu, allowed)
 
+    def _recapture(self) -> Recapture | None:
+        """The `captured` build's cross-check of a share of samples against a prefill of
+        their ids on the generation server (recapture.py)."""
+        cfg = self.cfg
+        if cfg.backend != "captured" or cfg.recapture_share <= 0 or not cfg.server_url:
+            return None
+        config = text_config(cfg.model_path)  # a prefill is a second forward: recompute's
+        allowed = tolerance.Tolerance(tolerance.server_dtype(cfg.server_dtype, config),
+                                      "recompute", tolerance.is_moe(config))
+        return Recapture(cfg.server_url, cfg.run_dir or ".", cfg.recapture_share,
+                         self.aux_layer_ids, allowed, cfg.api_key)
+
     def check(self, s: Sample, aux: torch.Tensor, final: torch.Tensor) -> Checked | None:
         """Sample ``s``'s states (aux [n, 3H], final [n, H]): all finite (checked whether
-        check_states is on or not), then final against its logprobs; StateCheckFailed
-        otherwise. None when check_states is off."""
+        check_states is on or not), final against its logprobs, and for the samples
+        recapture_share picks every layer against a prefill on the server; StateCheckFailed
+        otherwise. None when check_states is off and the sample was not re-captured."""
+        checked = None
         if self.state_check is None:
             require_finite(aux, final)
-            return None
-        return self.state_check.check(s, final, aux)
+        else:
+            checked = self.state_check.check(s, final, aux)
+        if self.recapture is not None and self.recapture.wanted(s) and \
+                self.recapture.check(s, aux, final):
+            checked = replace(checked or Checked(0, 0.0, -1, 0.0), recaptured=True)
+        return checked
 
     def metadata(self) -> dict[str, Any]:
         """What the files are (written to <extraction_dir>/extraction.json)."""
@@ -425,6 +448,8 @@ class Extractor:
                                  "tokens": s.length}
         if checked is not None:
             entry.update(checked=checked.positions, gap=round(checked.gap, 6))
+            if checked.recaptured:
+                entry["recaptured"] = True
             run.checks.append(checked)
         assert run.manifest is not None
         run.manifest.append(entry)

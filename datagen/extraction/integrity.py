@@ -52,6 +52,7 @@ class Checked:
     position: int   # where (index into the sample's ids)
     excess: float   # the worst gap minus what its position allows (> 0: failed)
     nonfinite: int = 0  # values of the states (or checked positions' logits) not finite
+    recaptured: bool = False  # compared with a prefill of the same ids (recapture.py)
 
 
 class StateCheckFailed(ValueError):

@@ -76,6 +76,8 @@ def extraction_config(settings: Settings) -> Any:
         engine=engine, run_dir=settings.output_dir, check_states=settings.check_states,
         check_positions_cpu=settings.check_positions_cpu,
         check_atol_nats=settings.check_atol_nats, server_dtype=settings.server_dtype,
+        recapture_share=settings.recapture_share, server_url=settings.server_url,
+        api_key=settings.api_key,
         keep_captured_states=settings.keep_captured_states)
 
 
@@ -109,6 +111,8 @@ def check_fields(check: Any) -> dict[str, Any]:
     fields = {"checked": check.positions, "gap": round(check.gap, 6)}
     if check.nonfinite:
         fields["nonfinite"] = check.nonfinite
+    if check.recaptured:
+        fields["recapture"] = True
     return fields
 
 

@@ -60,3 +60,12 @@ def test_server_dtype_is_one_of_the_dtypes_or_auto_and_reaches_the_extraction() 
         load_settings(env={"DATAGEN_SERVER_DTYPE": "bf16"})
     settings = load_settings(env={"DATAGEN_SERVER_DTYPE": "bfloat16"})
     assert extraction_config(settings).server_dtype == "bfloat16"
+
+
+def test_recapture_share_is_a_share_and_reaches_the_extraction() -> None:
+    from datagen.extraction.runner import extraction_config
+
+    with pytest.raises(SettingsError, match="recapture_share: 1.5 must be between 0 and 1"):
+        load_settings(env={"DATAGEN_RECAPTURE_SHARE": "1.5"})
+    cfg = extraction_config(load_settings(env={"DATAGEN_RECAPTURE_SHARE": "0.2"}))
+    assert (cfg.recapture_share, cfg.server_url) == (0.2, Settings().server_url)
