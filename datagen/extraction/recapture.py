@@ -6,7 +6,7 @@ the aux layers and the prompt's positions have no number of the engine's to be c
 against. So for a share of the `captured` build's samples (``recapture_share``, seeded by the
 sample's id; the first sample of each extraction process always) the gpu worker asks the
 generation server (``server_url``, its capture connector on) for a prefill of the sample's
-exact ids, max one new token, its states written to ``states/recapture/`` beside the run's,
+exact ids, max one new token, its states written to ``states/_recapture/`` beside the run's,
 and compares it with the file captured while generating, every position and every layer (aux
 layers one by one, then the final): different code paths of the same engine (decode steps
 against a chunked prefill), so a row that one of them put out of line, a block left
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 FLOOR = 1e-3         # relative: a float32 prefill equals the generation pass to 0.0 on vLLM's CPU
 RELEASE_TIMEOUT_S = 600.0  # the connector's write of the prefill's file
-DATASET = "recapture"  # the folder under states/ the prefills' files go to
+DATASET = "_recapture"  # states/ folder of the prefills (no dataset name starts with _)
 
 
 @dataclass(frozen=True)
