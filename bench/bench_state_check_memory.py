@@ -30,7 +30,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SHAPES = {"tiny": (512, 128), "llama8b": (128256, 4096), "kimi": (163840, 7168)}
+from bench.bench_state_check import SHAPES, sample_of  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,7 +53,6 @@ def one(shape: str, positions: int, chunk: int | None) -> dict[str, Any]:
     """The peak growth of one measure() in this process."""
     import torch
 
-    from bench.bench_state_check import sample_of
     from datagen.extraction.integrity import StateCheck
 
     vocab, hidden = SHAPES[shape]
