@@ -199,13 +199,21 @@ class Extractor:
             return None
         model = getattr(backend, "model", None)
         head = model.get_output_embeddings() if model is not None else None
-        allowed = tolerance.for_extraction(cfg.backend, cfg.server_dtype,
-                                           text_config(cfg.model_path))
+        allowed = tolerance.for_extraction(cfg.backend, cfg.server_dtype, self._text_config())
         if head is not None:
             return StateCheck(head.weight.detach(), self.device, cfg.check_atol_nats,
                               cfg.check_positions_cpu, allowed)
         return StateCheck.for_model(cfg.model_path, self.device, cfg.check_atol_nats,
                                     cfg.check_positions_cpu, allowed)
+
+    def _text_config(self) -> dict[str, Any]:
+        """The checkpoint's text config, else an already-built model's (benchmarks build
+        random weights with no checkpoint), else nothing known."""
+        if (Path(self.cfg.model_path) / "config.json").is_file():
+            return text_config(self.cfg.model_path)
+        config = getattr(self.model, "config", None)
+        found = config.to_dict() if config is not None else {}
+        return found.get("text_config") or found
 
     def _recapture(self) -> Recapture | None:
         """The `captured` build's cross-check of a share of samples against a prefill of
@@ -213,7 +221,7 @@ class Extractor:
         cfg = self.cfg
         if cfg.backend != "captured" or cfg.recapture_share <= 0 or not cfg.server_url:
             return None
-        config = text_config(cfg.model_path)  # a prefill is a second forward: recompute's
+        config = self._text_config()  # a prefill is a second forward: recompute's
         allowed = tolerance.Tolerance(tolerance.server_dtype(cfg.server_dtype, config),
                                       "recompute", tolerance.is_moe(config))
         return Recapture(cfg.server_url, cfg.run_dir or ".", cfg.recapture_share,
