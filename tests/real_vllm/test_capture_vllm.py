@@ -336,6 +336,13 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     print(f"FIGURE capture run: state check worst gap {worst_gap:.2e} nats (float32)")
     meta = json.loads((folder / "extraction.json").read_text())
     assert meta["backend"] == "captured" and meta["aux_layer_ids"] == list(AUX)
+    # the gpu process's first sample at least was re-captured on the server (recapture_share
+    # 0.01 by default) and found alike, which `datagen status` says
+    assert any(e.get("recaptured") for e in checked)
+    total = meta["state_check"]
+    assert total["recaptured"] >= 1 and total["recapture_failed"] == 0, total
+    assert datagen(monkeypatch, stack, "status") == 0
+    assert "re-captured on the server, all alike" in capsys.readouterr().out
     for name in ("vocab_mapping.pt", "draft_config.json", "specforge_train.json"):
         assert (folder / name).is_file(), name
     by_id = {r["id"]: r for r in recs}
