@@ -72,6 +72,15 @@ class Settings:
     check_states: bool = True  # ask vLLM for the sampled logprobs and check every sample
     check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
     check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
+    # The state check allows the rounding of the dtype the generation server ran in
+    # (datagen/extraction/tolerance.py), not the stored states' dtype: set it when the
+    # server was started with another --dtype than the checkpoint's config.json names.
+    server_dtype: str = "auto"  # the generation server's --dtype; auto: the checkpoint's own
+    # The `captured` build re-captures this share of samples (the first of each gpu process
+    # always) by a prefill of the same ids on server_url and compares every layer with the
+    # file captured while generating: a disagreement fails the sample and is an alert in
+    # `datagen status` (datagen/extraction/recapture.py). 0: never.
+    recapture_share: float = 0.01  # share of captured samples cross-checked on the server
     api_key: str | None = None  # sent as `Authorization: Bearer` to SGLang
     data_dir: str = "data/demo/partition"  # a folder or .jsonl[.gz/.zst]/.parquet file per dataset
     partition: str = "all"  # datasets to run: "all" or a comma list of names
@@ -234,6 +243,7 @@ class Settings:
 
     def _check_extraction(self) -> None:
         for name, allowed in (("extract_dtype", EXTRACT_DTYPES),
+                              ("server_dtype", ("auto", *EXTRACT_DTYPES)),
                               ("extract_overlong", EXTRACT_OVERLONG),
                               ("extract_backend", EXTRACT_BACKENDS)):
             if getattr(self, name) not in allowed:
@@ -242,6 +252,9 @@ class Settings:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if not 0.0 <= self.recapture_share <= 1.0:
+            raise SettingsError(f"recapture_share: {self.recapture_share!r} must be between 0 "
+                                "and 1")
         if self.check_positions_cpu < 0 or self.check_atol_nats <= 0:
             raise SettingsError(f"check_positions_cpu {self.check_positions_cpu!r} must be "
                                 f">= 0 and check_atol_nats {self.check_atol_nats!r} > 0")

@@ -292,6 +292,36 @@ def test_bench_state_check_times_the_check_per_sample(tmp_path: Path) -> None:
     assert "| tiny (512 x 128) | cpu | 8 |" in result.stdout
 
 
+def test_bench_state_check_memory_bounds_the_peak_by_chunks(tmp_path: Path) -> None:
+    out = tmp_path / "state_check_memory.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_state_check_memory.py", "--shape", "tiny", "--positions",
+         "4096", "--chunk", "256", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    whole, chunked = json.loads(out.read_text())["rows"]
+    assert (whole["chunked"], chunked["chunked"]) == (False, True)
+    assert chunked["chunk_positions"] == 256 and whole["logits_f32_mb"] == 8.0
+    # all at once holds the 8 MB of logits (twice); 256 positions a chunk hold 0.5 MB
+    assert whole["peak_mb"] >= 8 and chunked["peak_mb"] < whole["peak_mb"]
+    assert "| tiny (512 x 128) | 4,096 | 8 MB | 256 |" in result.stdout
+
+
+def test_bench_state_check_tolerance_sets_a_second_forward_against_a_shift(
+        tmp_path: Path) -> None:
+    out = tmp_path / "state_check_tolerance.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_state_check_tolerance.py", "--positions", "40", "--out",
+         str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["positions"] for r in rows] == [40, 40]
+    # a float32 forward against bf16 logits: within the recompute allowance; a shift: far out
+    assert all(0 < r["rtol_units_max"] < 4 and r["shifted_gap_max"] > 10 * r["gap_max"]
+               for r in rows)
+    assert "| 256, 64, 6 | 40 |" in result.stdout
+
+
 def test_bench_capture_disk_builds_kept_and_freed_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "capture_disk.json"
     result = subprocess.run(

@@ -22,14 +22,15 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from datagen.errors import EngineLost, StorageError
-from datagen.extraction import backends
+from datagen.extraction import backends, tolerance
+from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.hf import (
     DTYPES,
     HFBackend,
@@ -57,9 +58,11 @@ from datagen.extraction.integrity import (
     CheckTally,
     StateCheck,
     StateCheckFailed,
+    require_finite,
 )
 from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
+from datagen.extraction.recapture import Recapture
 from datagen.training import vocab_mapping as vm
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
@@ -93,10 +96,15 @@ class ExtractionConfig:
     check_states: bool = True    # final states against the record's logprobs (integrity.py)
     check_positions_cpu: int = 32  # positions per sample on a CPU; all on a GPU; 0: all
     check_atol_nats: float = 0.01
+    server_dtype: str = "auto"   # the generation server's dtype (tolerance.py); auto: the model's
+    recapture_share: float = 0.0  # captured: samples re-captured on server_url (recapture.py)
+    server_url: str = ""         # the generation server (recapture_share)
+    api_key: str | None = None
     keep_captured_states: bool = False  # captured: keep each file its row was built from
 
     def __post_init__(self) -> None:
-        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES}
+        choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES,
+                   "server_dtype": ("auto", *tolerance.DTYPES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
@@ -174,6 +182,7 @@ class Extractor:
         self.staging = None if self.writes_files else HostStaging(
             self.device, backend.width, self.dtype, max(cfg.batch_tokens, cfg.max_length))
         self.state_check = self._state_check(backend)
+        self.recapture = self._recapture()
         if self.writes_files:
             self.writer = AsyncWriter(backend.inflight, backend.inflight)
         else:
@@ -190,18 +199,48 @@ class Extractor:
             return None
         model = getattr(backend, "model", None)
         head = model.get_output_embeddings() if model is not None else None
+        allowed = tolerance.for_extraction(cfg.backend, cfg.server_dtype, self._text_config())
         if head is not None:
             return StateCheck(head.weight.detach(), self.device, cfg.check_atol_nats,
-                              cfg.check_positions_cpu)
+                              cfg.check_positions_cpu, allowed)
         return StateCheck.for_model(cfg.model_path, self.device, cfg.check_atol_nats,
-                                    cfg.check_positions_cpu)
+                                    cfg.check_positions_cpu, allowed)
 
-    def check(self, s: Sample, final: torch.Tensor) -> Checked | None:
-        """``final`` [n, H] of sample ``s`` against its logprobs; StateCheckFailed past the
-        tolerance. None when the check is off."""
-        if self.state_check is None:
+    def _text_config(self) -> dict[str, Any]:
+        """The checkpoint's text config, else an already-built model's (benchmarks build
+        random weights with no checkpoint), else nothing known."""
+        if (Path(self.cfg.model_path) / "config.json").is_file():
+            return text_config(self.cfg.model_path)
+        config = getattr(self.model, "config", None)
+        found = config.to_dict() if config is not None else {}
+        return found.get("text_config") or found
+
+    def _recapture(self) -> Recapture | None:
+        """The `captured` build's cross-check of a share of samples against a prefill of
+        their ids on the generation server (recapture.py)."""
+        cfg = self.cfg
+        if cfg.backend != "captured" or cfg.recapture_share <= 0 or not cfg.server_url:
             return None
-        return self.state_check.check(s, final)
+        config = self._text_config()  # a prefill is a second forward: recompute's
+        allowed = tolerance.Tolerance(tolerance.server_dtype(cfg.server_dtype, config),
+                                      "recompute", tolerance.is_moe(config))
+        return Recapture(cfg.server_url, cfg.run_dir or ".", cfg.recapture_share,
+                         self.aux_layer_ids, allowed, cfg.api_key)
+
+    def check(self, s: Sample, aux: torch.Tensor, final: torch.Tensor) -> Checked | None:
+        """Sample ``s``'s states (aux [n, 3H], final [n, H]): all finite (checked whether
+        check_states is on or not), final against its logprobs, and for the samples
+        recapture_share picks every layer against a prefill on the server; StateCheckFailed
+        otherwise. None when check_states is off and the sample was not re-captured."""
+        checked = None
+        if self.state_check is None:
+            require_finite(aux, final)
+        else:
+            checked = self.state_check.check(s, final, aux)
+        if self.recapture is not None and self.recapture.wanted(s) and \
+                self.recapture.check(s, aux, final):
+            checked = replace(checked or Checked(0, 0.0, -1, 0.0), recaptured=True)
+        return checked
 
     def metadata(self) -> dict[str, Any]:
         """What the files are (written to <extraction_dir>/extraction.json)."""
@@ -404,7 +443,7 @@ class Extractor:
             final[0].copy_(part[:, split:])
         finally:
             countdown.done()
-        checked = self.check(s, final[0])
+        checked = self.check(s, aux[0], final[0])
         rel = relative_path(s.idx)
         size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final))
         self._record(run, s, rel, checked)
@@ -417,6 +456,8 @@ class Extractor:
                                  "tokens": s.length}
         if checked is not None:
             entry.update(checked=checked.positions, gap=round(checked.gap, 6))
+            if checked.recaptured:
+                entry["recaptured"] = True
             run.checks.append(checked)
         assert run.manifest is not None
         run.manifest.append(entry)
@@ -426,8 +467,9 @@ class Extractor:
         file, then it is recorded."""
         rel = relative_path(s.idx)
         found: list[Checked | None] = []
-        size = self.runner.extract(s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
-                                   lambda final: found.append(self.check(s, final)))
+        size = self.runner.extract(
+            s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
+            lambda aux, final: found.append(self.check(s, aux, final)))
         self._record(run, s, rel, found[0] if found else None)
         self._recorded(s, rel)
         return size

@@ -9,18 +9,23 @@ and the record keeps them (``output_logprobs``). The model's log-probability of 
 states are the model's, in line with its ids, gives back the server's numbers; a file whose
 states are shifted by a position, come from another layer or another request, does not.
 
-The gap |ours − server's| is allowed ``atol + rtol · (|z_t| + max_j |z_j|)`` nats, z the
-logits at the position: rtol is the dtype's unit roundoff times two (bf16 2^-7, f16 2^-10,
-f32 2^-20), since the engine rounds each logit to its dtype before its log-softmax, and
-its max and log-sum-exp carry that error; atol (``check_atol_nats``) covers the rest (the
-connector's own final norm against the engine's). On a GPU every position is checked; on a
-CPU a fixed random subset of ``check_positions_cpu`` (seeded by the sample's id). The check
-only reads the final state and multiplies it by ``lm_head`` in float32: no forward pass.
+Before any of that every value of the sample's states, aux and final, every position (the
+prompt's too), must be finite: one NaN or inf fails the sample (``nonfinite``), whatever the
+log-probabilities say (a NaN gap compares false with every bound).
+
+The gap is allowed ``atol + rtol · (|z_t| + max_j |z_j|)`` nats (tolerance.py: rtol from the
+server's dtype and the path, atol ``check_atol_nats``); logits that overflow to inf fail the
+sample too. On a GPU every position is checked; on a CPU a fixed random subset of
+``check_positions_cpu`` (seeded by the sample's id). The check only reads the final state and
+multiplies it by ``lm_head`` in float32, ``CHUNK_BYTES`` of logits at a time (a window of
+8,192 positions at Kimi-K2.5's 163,840-token vocabulary would be 5.4 GB a tensor at once):
+no forward pass.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import zlib
@@ -31,10 +36,13 @@ from typing import Any
 
 import torch
 
+from datagen.extraction.tolerance import Tolerance
+
 LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 EMBED_KEYS = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight")
-RTOL = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 NO_LOGPROB = -9999.0  # vLLM's floor: a token it had no log-probability for
+CHUNK_BYTES = 256 << 20  # float32 logits computed at once (two such tensors live at the peak)
+FINITE_ROWS = 1024       # positions scanned for non-finite values at once
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,8 @@ class Checked:
     gap: float      # the worst |ours - server's| in nats
     position: int   # where (index into the sample's ids)
     excess: float   # the worst gap minus what its position allows (> 0: failed)
+    nonfinite: int = 0  # values of the states (or checked positions' logits) not finite
+    recaptured: bool = False  # compared with a prefill of the same ids (recapture.py)
 
 
 class StateCheckFailed(ValueError):
@@ -64,13 +74,14 @@ class CheckTally:
     worst_gap: float = 0.0
 
     def add(self, result: Checked, failed: bool) -> None:
-        if not result.positions:
+        if not result.positions and not failed:
             self.unchecked += 1
             return
         self.checked += 1
         self.failed += failed
         self.positions += result.positions
-        self.worst_gap = max(self.worst_gap, result.gap)
+        if math.isfinite(result.gap):
+            self.worst_gap = max(self.worst_gap, result.gap)
 
     def as_dict(self) -> dict[str, Any]:
         return {"checked": self.checked, "failed": self.failed, "unchecked": self.unchecked,
@@ -106,23 +117,55 @@ def lm_head_weight(model_path: str) -> torch.Tensor:
     return weight
 
 
+def first_nonfinite(states: torch.Tensor) -> tuple[int, int]:
+    """(values not finite, first position holding one; -1 if none) of ``states`` [n, W]."""
+    count, first = 0, -1
+    for start in range(0, states.shape[0], FINITE_ROWS):
+        bad = ~torch.isfinite(states[start:start + FINITE_ROWS])
+        found = int(bad.sum())
+        if found and first < 0:
+            first = start + int(bad.any(dim=-1).nonzero()[0, 0])
+        count += found
+    return count, first
+
+
+def require_finite(aux: torch.Tensor | None, final: torch.Tensor) -> None:
+    """StateCheckFailed naming the tensor, the count and the first position when a value
+    of ``aux`` [n, 3H] or ``final`` [n, H] is NaN or inf."""
+    for name, states in (("aux_hidden_state", aux), ("hidden_state", final)):
+        if states is None:
+            continue
+        count, first = first_nonfinite(states.reshape(-1, states.shape[-1]))
+        if count:
+            raise StateCheckFailed(
+                f"{name} holds {count:,} values that are not finite (NaN or inf), the first "
+                f"at position {first}", Checked(0, 0.0, first, math.inf, count))
+
+
 class StateCheck:
-    """Checks a sample's final states [n, H] against its log-probabilities."""
+    """Checks a sample's states: all finite, and the final ones [n, H] against its
+    log-probabilities."""
 
     def __init__(self, weight: torch.Tensor | Callable[[], torch.Tensor],
-                 device: torch.device, atol_nats: float, positions_cpu: int):
+                 device: torch.device, atol_nats: float, positions_cpu: int,
+                 tolerance: Tolerance | None = None, chunk_positions: int | None = None):
         """``weight``: lm_head [V, H], or what loads it (on the first sample that has
-        log-probabilities: a run without them never reads it)."""
+        log-probabilities: a run without them never reads it). ``chunk_positions``: the
+        positions whose logits are computed at once (None: what fits ``CHUNK_BYTES``;
+        0: all at once)."""
         self.device = device
         self._weight = weight
         self._lock = threading.Lock()
         self.atol = atol_nats
+        self.tolerance = tolerance or Tolerance()
+        self.chunk_positions = chunk_positions
         self.limit = 0 if device.type == "cuda" else positions_cpu  # 0: every position
 
     @classmethod
     def for_model(cls, model_path: str, device: torch.device, atol_nats: float,
-                  positions_cpu: int) -> StateCheck:
-        return cls(lambda: lm_head_weight(model_path), device, atol_nats, positions_cpu)
+                  positions_cpu: int, tolerance: Tolerance | None = None) -> StateCheck:
+        return cls(lambda: lm_head_weight(model_path), device, atol_nats, positions_cpu,
+                   tolerance)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -146,8 +189,35 @@ class StateCheck:
             out = sorted(rng.sample(out, self.limit))
         return out
 
+    def chunk(self, vocab: int) -> int:
+        """Positions whose logits [k, V] are computed at once."""
+        if self.chunk_positions is not None:
+            return self.chunk_positions
+        return max(1, CHUNK_BYTES // (4 * vocab))
+
+    def gaps(self, final: torch.Tensor, where: torch.Tensor, tokens: torch.Tensor,
+             theirs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gap, excess) [k] of the positions ``where`` of ``final``, one chunk of logits
+        at a time: logsumexp and amax/amin reduce without a second [k, V] copy of them."""
+        weight = self.weight
+        rtol = self.tolerance.rtol(final.dtype)
+        step = self.chunk(weight.shape[0]) or len(where)
+        gaps, excesses = [], []
+        for start in range(0, len(where), step):
+            part = slice(start, start + step)
+            h = final[where[part]].to(device=self.device, dtype=torch.float32)
+            logits = h @ weight.T
+            z_t = logits.gather(1, tokens[part, None])[:, 0]
+            gap = (z_t - torch.logsumexp(logits, dim=-1) - theirs[part]).abs()
+            z = z_t.abs() + torch.maximum(logits.amax(dim=-1), -logits.amin(dim=-1))
+            del logits
+            gaps.append(gap)
+            excesses.append(gap - (self.atol + rtol * z))
+        return torch.cat(gaps), torch.cat(excesses)
+
     def measure(self, sample: Any, final: torch.Tensor) -> Checked:
-        """The worst gap of ``final`` [n, H] (the sample's first n positions)."""
+        """The worst gap of ``final`` [n, H] (the sample's first n positions); a position
+        whose logits are not finite (states huge enough to overflow) counts as failed."""
         rows = self.rows(sample, final.shape[0])
         if not rows:
             return Checked(0, 0.0, -1, 0.0)
@@ -155,24 +225,31 @@ class StateCheck:
         tokens = torch.tensor([r[1] for r in rows], device=self.device)
         theirs = torch.tensor([r[2] for r in rows], dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            h = final[where].to(device=self.device, dtype=torch.float32)
-            logits = h @ self.weight.T
-            ours = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-            gap = (ours - theirs).abs()
-            z = logits.gather(1, tokens[:, None])[:, 0].abs() + logits.abs().amax(dim=-1)
-            allowed = self.atol + RTOL.get(final.dtype, RTOL[torch.bfloat16]) * z
-            excess = gap - allowed
+            gap, excess = self.gaps(final, where, tokens, theirs)
+        bad = ~torch.isfinite(excess)
+        finite_gap = float(gap[~bad].max()) if not bool(bad.all()) else 0.0
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            return Checked(len(rows), finite_gap, rows[first][0], math.inf, int(bad.sum()))
         worst = int(excess.argmax())
-        return Checked(len(rows), float(gap.max()), rows[worst][0], float(excess[worst]))
+        return Checked(len(rows), finite_gap, rows[worst][0], float(excess[worst]))
 
-    def check(self, sample: Any, final: torch.Tensor) -> Checked:
-        """``measure``, raising StateCheckFailed (naming the gap) past the tolerance."""
+    def check(self, sample: Any, final: torch.Tensor,
+              aux: torch.Tensor | None = None) -> Checked:
+        """Every value of ``aux`` and ``final`` finite, then ``measure``; StateCheckFailed
+        (naming what failed and where) otherwise."""
+        require_finite(aux, final)
         result = self.measure(sample, final)
+        if result.nonfinite:
+            raise StateCheckFailed(
+                f"final states give logits that are not finite at {result.nonfinite} of "
+                f"{result.positions} positions checked, the first at position "
+                f"{result.position}", result)
         if result.excess > 0:
             raise StateCheckFailed(
-                f"final states do not give the server's log-probabilities: gap "
-                f"{result.gap:.4g} nats at position {result.position} (allowed "
-                f"{result.gap - result.excess:.4g}; {result.positions} positions checked)",
+                f"final states do not give the server's log-probabilities: worst gap "
+                f"{result.gap:.4g} nats; {result.excess:.4g} nats at position "
+                f"{result.position} past what it allows ({result.positions} positions "
+                "checked)",
                 result)
         return result
-

@@ -75,7 +75,9 @@ def extraction_config(settings: Settings) -> Any:
         writer_threads=threads, max_pending_writes=2 * threads, backend=settings.extract_backend,
         engine=engine, run_dir=settings.output_dir, check_states=settings.check_states,
         check_positions_cpu=settings.check_positions_cpu,
-        check_atol_nats=settings.check_atol_nats,
+        check_atol_nats=settings.check_atol_nats, server_dtype=settings.server_dtype,
+        recapture_share=settings.recapture_share, server_url=settings.server_url,
+        api_key=settings.api_key,
         keep_captured_states=settings.keep_captured_states)
 
 
@@ -106,7 +108,12 @@ def check_fields(check: Any) -> dict[str, Any]:
     """A failed state check's numbers for its dead letter (what the run's total reads)."""
     if check is None:
         return {}
-    return {"checked": check.positions, "gap": round(check.gap, 6)}
+    fields = {"checked": check.positions, "gap": round(check.gap, 6)}
+    if check.nonfinite:
+        fields["nonfinite"] = check.nonfinite
+    if check.recaptured:
+        fields["recapture"] = True
+    return fields
 
 
 def result_entry(result: Any, sha256: str) -> dict[str, Any]:

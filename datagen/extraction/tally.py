@@ -12,7 +12,9 @@ No torch here: `datagen extract` and `datagen status` read it.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,34 +35,62 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
             yield entry
 
 
-def _outcomes(folder: Path) -> dict[int, tuple[bool, int, float, str]]:
-    """idx -> (failed, positions, gap, id) of every sample written or failed by the check."""
-    out: dict[int, tuple[bool, int, float, str]] = {}
+def _gap(entry: dict[str, Any]) -> float:
+    """The line's gap; 0.0 where it is missing or not a finite number."""
+    try:
+        gap = float(entry.get("gap") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+    return gap if math.isfinite(gap) else 0.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    failed: bool
+    positions: int
+    gap: float
+    id: str
+    nonfinite: bool = False   # failed for a NaN or inf in its states
+    recaptured: bool = False  # compared with a prefill on the server (recapture.py)
+
+
+def _outcomes(folder: Path) -> dict[int, Outcome]:
+    """idx -> the last outcome of every sample written or failed by the check."""
+    out: dict[int, Outcome] = {}
     letters = folder / DEAD_LETTERS
     if letters.is_file():
         for e in _lines(letters):
             if e.get("kind") == "sample" and "gap" in e:
-                out[e["idx"]] = (True, int(e.get("checked") or 0), float(e["gap"]), str(e["id"]))
+                out[e["idx"]] = Outcome(True, int(e.get("checked") or 0), _gap(e),
+                                        str(e["id"]), bool(e.get("nonfinite")),
+                                        bool(e.get("recapture")))
     for path in sorted((folder / MANIFEST_DIR).glob("*.jsonl")):
         for e in _lines(path):  # written: it passed, whatever an earlier run found
-            out[e["idx"]] = (False, int(e.get("checked") or 0), float(e.get("gap") or 0.0),
-                             str(e.get("id")))
+            out[e["idx"]] = Outcome(False, int(e.get("checked") or 0), _gap(e),
+                                    str(e.get("id")), False, bool(e.get("recaptured")))
     return out
 
 
 def run_total(folder: Path) -> dict[str, Any]:
-    """{checked, failed, unchecked, positions, worst_gap, worst_idx, worst_id} of the run."""
-    total: dict[str, Any] = {"checked": 0, "failed": 0, "unchecked": 0, "positions": 0,
+    """{checked, failed, nonfinite, recaptured, recapture_failed, unchecked, positions,
+    worst_gap, worst_idx, worst_id} of the run (``nonfinite``: of the failed, those whose
+    states held a NaN or inf; ``recaptured``: samples compared with a prefill on the server,
+    ``recapture_failed`` of them differing: an alert)."""
+    total: dict[str, Any] = {"checked": 0, "failed": 0, "nonfinite": 0, "recaptured": 0,
+                             "recapture_failed": 0, "unchecked": 0, "positions": 0,
                              "worst_gap": 0.0, "worst_idx": None, "worst_id": None}
-    for idx, (failed, positions, gap, sid) in sorted(_outcomes(folder).items()):
-        if not positions and not failed:
+    for idx, o in sorted(_outcomes(folder).items()):
+        total["recaptured"] += o.recaptured
+        total["recapture_failed"] += o.recaptured and o.failed
+        if not o.positions and not o.failed:
             total["unchecked"] += 1
             continue
         total["checked"] += 1
-        total["failed"] += failed
-        total["positions"] += positions
-        if total["worst_idx"] is None or gap > total["worst_gap"]:
-            total.update(worst_gap=round(gap, 6), worst_idx=idx, worst_id=sid)
+        total["failed"] += o.failed
+        total["nonfinite"] += o.nonfinite
+        total["positions"] += o.positions
+        if total["worst_idx"] is None or o.gap > total["worst_gap"]:
+            total.update(worst_gap=round(o.gap, 6), worst_idx=idx, worst_id=o.id)
     return total
 
 
@@ -91,9 +121,17 @@ def describe(total: dict[str, Any]) -> str:
     """One line: what was checked, what failed and the worst gap."""
     line = (f"state check: {total['checked']:,} samples checked ({total['positions']:,} "
             f"positions), {total['failed']:,} failed")
+    if total.get("nonfinite"):
+        line += f" ({total['nonfinite']:,} with NaN or inf states)"
     if total["checked"]:
         line += (f", worst gap {total['worst_gap']:.3g} nats (sample idx {total['worst_idx']}, "
                  f"id {total['worst_id']!r})")
+    if total.get("recapture_failed"):
+        line += (f"; ALERT: {total['recapture_failed']:,} of {total['recaptured']:,} samples "
+                 "re-captured by a prefill on the server differ from the states captured "
+                 "while generating (dead-lettered; DESIGN.md, \"Every state checked\")")
+    elif total.get("recaptured"):
+        line += f"; {total['recaptured']:,} re-captured on the server, all alike"
     if total["unchecked"]:
         line += (f"; {total['unchecked']:,} samples not checked (check_states off, or records "
                  "without log-probabilities)")

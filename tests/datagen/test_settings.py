@@ -51,3 +51,21 @@ def test_values_of_the_right_type_load_from_toml_and_the_environment(tmp_path: P
     assert settings.api_key is None
     assert load_settings(env={"DATAGEN_AUX_LAYER_IDS": "1,15,28"}).aux_layer_ids == [1, 15, 28]
     assert Settings() == load_settings(env={})
+
+
+def test_server_dtype_is_one_of_the_dtypes_or_auto_and_reaches_the_extraction() -> None:
+    from datagen.extraction.runner import extraction_config
+
+    with pytest.raises(SettingsError, match="server_dtype: 'bf16' is not one of"):
+        load_settings(env={"DATAGEN_SERVER_DTYPE": "bf16"})
+    settings = load_settings(env={"DATAGEN_SERVER_DTYPE": "bfloat16"})
+    assert extraction_config(settings).server_dtype == "bfloat16"
+
+
+def test_recapture_share_is_a_share_and_reaches_the_extraction() -> None:
+    from datagen.extraction.runner import extraction_config
+
+    with pytest.raises(SettingsError, match="recapture_share: 1.5 must be between 0 and 1"):
+        load_settings(env={"DATAGEN_RECAPTURE_SHARE": "1.5"})
+    cfg = extraction_config(load_settings(env={"DATAGEN_RECAPTURE_SHARE": "0.2"}))
+    assert (cfg.recapture_share, cfg.server_url) == (0.2, Settings().server_url)

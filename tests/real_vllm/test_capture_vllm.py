@@ -18,6 +18,7 @@ folder built by the `captured` backend in 5.4 s.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -150,6 +151,115 @@ def test_an_aborted_request_leaves_its_lock_released_and_no_file(
     assert not path.exists()
 
 
+def planted(path: Path, to: Path, plant: Any) -> None:
+    """A copy of the captured file ``path`` at ``to``, its tensors changed by ``plant``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata()
+        tensors = {k: fh.get_tensor(k).clone() for k in fh.keys()}
+    plant(tensors)
+    to.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(to), meta)
+
+
+def random_bits(like: torch.Tensor) -> torch.Tensor:
+    """float32 random bits shaped as ``like``: what a buffer never written may hold."""
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, like.shape, dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(0)).view(torch.float32)
+
+
+def shift_one_decode_step(t: dict[str, torch.Tensor]) -> None:
+    """The aux rows of one decode step written a position late (step 12's at 13)."""
+    t["aux_hidden_state"][13] = t["aux_hidden_state"][12].clone()
+
+
+def garbage_aux_block(t: dict[str, torch.Tensor]) -> None:
+    """A block of 16 positions of finite garbage in the aux states (another request's)."""
+    block = t["aux_hidden_state"][8:24]
+    block.copy_(torch.randn(block.shape, generator=torch.Generator().manual_seed(1)))
+
+
+def prompt_garbage(t: dict[str, torch.Tensor]) -> None:
+    """Finite garbage in the prompt's positions but its last (a prefill chunk gone wrong)."""
+    g = torch.Generator().manual_seed(2)
+    for key in ("aux_hidden_state", "hidden_state"):
+        t[key][:7].copy_(torch.randn(t[key][:7].shape, generator=g))
+
+
+PLANTS = {  # idx: (what, how)
+    0: ("as written", lambda t: None),
+    1: ("nan", lambda t: t["hidden_state"].__setitem__((2, 5), float("nan"))),
+    2: ("unwritten aux block", lambda t: t["aux_hidden_state"][8:24].copy_(
+        random_bits(t["aux_hidden_state"][8:24]))),
+    3: ("aux step shifted", shift_one_decode_step),
+    4: ("garbage aux block", garbage_aux_block),
+    5: ("prompt garbage", prompt_garbage),
+}
+
+
+def test_planted_faults_in_captured_files_are_each_dead_lettered(
+        vllm: GenerationServer, model: Path, run_dir: Path, tmp_path: Path) -> None:
+    # Given: six samples generated with capture and the server's logprobs (as a worker asks
+    # them), 8 prompt ids and 24 output ids each, their files copied with one fault planted
+    # each (PLANTS), the first as the server wrote it
+    client = SGLangClient(vllm.url, kind="vllm")
+    recs = []
+    for idx, (_, plant) in PLANTS.items():
+        rid = new_rid("plant")
+        path = capture.states_path(run_dir, "plant", rid)
+        prompt = [1, 4, 17, 99, 250, 7, 8 + idx, 9]
+        gen = client.generate(prompt, {"max_new_tokens": 24, "temperature": 0,
+                                       "ignore_eos": True}, rid, logprobs=True,
+                              extra={"kv_transfer_params": capture.request_params(path)})
+        assert capture.wait_released(path, 60)
+        planted(path, run_dir / "states" / "planted" / f"{idx}.safetensors", plant)
+        recs.append({"idx": idx, "id": f"p{idx}", "dataset": "plant", "prompt_ids": prompt,
+                     "output_ids": gen.output_ids, "states": f"states/planted/{idx}.safetensors",
+                     "output_logprobs": pack_logprobs(gen.logprobs)})
+    assert all(len(r["output_ids"]) == 24 for r in recs)
+    shard = write_jsonl(tmp_path / "shard.jsonl", recs)
+
+    def build(share: float) -> Any:
+        cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / f"hs{share}"),
+                               aux_layer_ids=AUX, dtype="float32", device="cpu",
+                               max_length=64, backend="captured", run_dir=str(run_dir),
+                               keep_captured_states=True, check_positions_cpu=0,
+                               recapture_share=share, server_url=vllm.url)
+        with Extractor(cfg) as ex:
+            return ex.run_shard(shard)
+
+    # When: the captured backend builds the rows, every sample re-captured on the server
+    result = build(1.0)
+
+    # Then: the true file is written; each planted fault is dead-lettered: the NaN and the
+    # unwritten block as non-finite states (tensor and first position named), the shifted
+    # step, the garbage block and the prompt garbage by the re-capture, which names the
+    # layer and the position
+    assert result.written == 1
+    reasons = {f.idx: f.reason for f in result.failures}
+    assert sorted(reasons) == [1, 2, 3, 4, 5], reasons
+    assert "hidden_state holds 1 values that are not finite" in reasons[1]
+    assert "first at position 2" in reasons[1]
+    first = re.search(r"aux_hidden_state holds [\d,]+ values that are not finite .*the first "
+                      r"at position (\d+)", reasons[2])
+    assert first and 8 <= int(first.group(1)) < 24, reasons[2]
+    where = {i: re.search(r"re-capture: (.*) \((\w+)\) at position (\d+)", reasons[i])
+             for i in (3, 4, 5)}
+    assert all(where.values()), reasons
+    assert where[3].group(2) == "aux_hidden_state" and where[3].group(3) == "13"
+    assert where[4].group(2) == "aux_hidden_state" and 8 <= int(where[4].group(3)) < 24
+    assert int(where[5].group(3)) < 7
+    assert result.check.failed == 5 and result.check.checked == 6
+    print(f"FIGURE planted faults: {reasons}")
+
+    # And: without the re-capture, the shifted step, the garbage aux block and the prompt
+    # garbage pass the log-probability check (what it cannot see: DESIGN.md)
+    unchecked = build(0.0)
+    assert sorted(f.idx for f in unchecked.failures) == [1, 2]
+
+
 def datagen(monkeypatch: pytest.MonkeyPatch, stack: Stack, *argv: str) -> int:
     """`datagen ARGV` in this process, with the stack's settings in the environment."""
     from cli.main import main
@@ -226,6 +336,13 @@ def test_a_run_with_capture_builds_specforge_files_equal_to_a_vllm_extraction(
     print(f"FIGURE capture run: state check worst gap {worst_gap:.2e} nats (float32)")
     meta = json.loads((folder / "extraction.json").read_text())
     assert meta["backend"] == "captured" and meta["aux_layer_ids"] == list(AUX)
+    # the gpu process's first sample at least was re-captured on the server (recapture_share
+    # 0.01 by default) and found alike, which `datagen status` says
+    assert any(e.get("recaptured") for e in checked)
+    total = meta["state_check"]
+    assert total["recaptured"] >= 1 and total["recapture_failed"] == 0, total
+    assert datagen(monkeypatch, stack, "status") == 0
+    assert "re-captured on the server, all alike" in capsys.readouterr().out
     for name in ("vocab_mapping.pt", "draft_config.json", "specforge_train.json"):
         assert (folder / name).is_file(), name
     by_id = {r["id"]: r for r in recs}

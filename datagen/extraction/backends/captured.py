@@ -96,12 +96,12 @@ class CapturedBackend:
         return aux.to(self.dtype).unsqueeze(0), final.unsqueeze(0)
 
     def extract(self, sample: Sample, mask: Sequence[int], path: Path,
-                check: Callable[[torch.Tensor], Any] | None = None) -> int:
-        """The sample's file; ``check`` (the state check) sees its final states [n, H] as
-        captured, before anything is written."""
+                check: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> int:
+        """The sample's file; ``check`` (the state check) sees its aux [n, 3H] and final
+        states [n, H] as captured, before anything is written."""
         aux, final = self.states(sample)
         if check is not None:
-            check(final[0])  # in the dtype the server ran (its rounding is what is allowed)
+            check(aux[0], final[0])  # final in the dtype the server stored it in
         return save_atomic(path, sample_tensors(sample, aux, final.to(self.dtype)))
 
     def recorded(self, sample: Sample, row: str) -> None:

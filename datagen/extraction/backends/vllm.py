@@ -202,10 +202,10 @@ class VLLMBackend:
         return self._local.session
 
     def extract(self, sample: Any, mask: Sequence[int], path: Path,
-                check: Callable[[torch.Tensor], Any] | None = None) -> int:
+                check: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> int:
         """One sample (files.Sample) through the engine into ``path``; returns the file's
-        size. ``check`` (the state check) sees the file's final states [n, H] once written;
-        a sample it refuses leaves no file."""
+        size. ``check`` (the state check) sees the file's aux [n, 3H] and final states
+        [n, H] once written; a sample it refuses leaves no file."""
         import requests
 
         ids = sample.input_ids
@@ -230,7 +230,8 @@ class VLLMBackend:
             raise self._lost(f"vLLM answered but wrote no {path.name}")
         if check is not None:
             try:
-                check(torch.load(path, weights_only=True, mmap=True)["hidden_state"][0])
+                written = torch.load(path, weights_only=True, mmap=True)
+                check(written["aux_hidden_state"][0], written["hidden_state"][0])
             except BaseException:
                 path.unlink(missing_ok=True)
                 raise

@@ -14,7 +14,7 @@ from conftest import write_jsonl
 
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.extraction.files import prepare
-from datagen.extraction.integrity import StateCheck
+from datagen.extraction.integrity import StateCheck, StateCheckFailed
 from datagen.generation.records import pack_logprobs, unpack_logprobs
 
 VOCAB, HIDDEN, LAYERS = 256, 64, 6
@@ -140,3 +140,114 @@ def test_a_cpu_checks_a_fixed_bounded_subset_of_positions(model: Path) -> None:
     # the last output id (not an input of the captured row) is checked too
     every = StateCheck.for_model(str(model), torch.device("cpu"), 1e-3, 0)
     assert [r[1] for r in every.rows(sample, sample.length)] == output
+
+
+def one_sample(model: Path, prompt: list[int], n: int) -> tuple[object, dict]:
+    """A captured sample (files.Sample) with its server logprobs, and its true states."""
+    output, lps, states = generated(model, prompt, n)
+    rec = {"idx": 0, "id": "s", "dataset": "B1", "prompt_ids": prompt, "output_ids": output,
+           "states": "x", "output_logprobs": pack_logprobs(lps)}
+    return prepare(1, rec, 64, "truncate", VOCAB, captured=True), states
+
+
+def test_a_nan_anywhere_in_the_states_fails_the_sample(model: Path) -> None:
+    # Given: a sample's true states, and copies with one NaN planted: in a final state the
+    # check measures, in a prompt position's aux state (never measured), an inf in aux
+    sample, states = one_sample(model, [1, 5, 9, 11], 12)
+    check = StateCheck.for_model(str(model), torch.device("cpu"), 1e-3, 0)
+    aux, final = states["aux_hidden_state"], states["hidden_state"]
+    assert check.check(sample, final, aux).positions == 12  # the true ones pass
+
+    def planted(tensor: torch.Tensor, position: int, value: float) -> torch.Tensor:
+        out = tensor.clone()
+        out[position, 7] = value
+        return out
+
+    cases = [("hidden_state", aux, planted(final, 5, float("nan")), 5),
+             ("aux_hidden_state", planted(aux, 1, float("nan")), final, 1),
+             ("aux_hidden_state", planted(aux, 9, float("inf")), final, 9)]
+    for name, a, f, position in cases:
+        # When / Then: each fails, naming the tensor and the first bad position
+        with pytest.raises(StateCheckFailed) as failed:
+            check.check(sample, f, a)
+        assert f"{name} holds 1 values that are not finite" in str(failed.value)
+        assert failed.value.result.nonfinite == 1
+        assert failed.value.result.position == position
+
+
+def test_wrong_states_with_one_nan_and_unwritten_bits_fail(model: Path) -> None:
+    # Given: states all one position late plus a NaN (the NaN made the gap NaN, and NaN > 0
+    # is false), and bf16 buffers never written (random bits: what torch.empty may hold)
+    sample, states = one_sample(model, [1, 5, 9, 11], 12)
+    check = StateCheck.for_model(str(model), torch.device("cpu"), 1e-3, 0)
+    shifted = torch.roll(states["hidden_state"], 1, 0)
+    shifted[6, 0] = float("nan")
+    g = torch.Generator().manual_seed(0)
+    unwritten = torch.randint(-2 ** 15, 2 ** 15, states["hidden_state"].shape, generator=g,
+                              dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+
+    # When / Then: neither passes
+    for final in (shifted, unwritten):
+        with pytest.raises(StateCheckFailed):
+            check.check(sample, final, states["aux_hidden_state"])
+    # and finite random bits (no NaN or inf among them): failed too
+    finite = torch.where(torch.isfinite(unwritten), unwritten, torch.zeros_like(unwritten))
+    with pytest.raises(StateCheckFailed):
+        check.check(sample, finite)
+    # states so large that their logits overflow fail as such, not as a NaN gap
+    ones = StateCheck(torch.ones(VOCAB, HIDDEN), torch.device("cpu"), 1e-3, 0)
+    with pytest.raises(StateCheckFailed, match="logits that are not finite at 12 of 12"):
+        ones.check(sample, torch.full_like(states["hidden_state"], 3e38))
+
+
+def test_a_nan_in_a_captured_file_is_dead_lettered_even_with_check_states_off(
+        model: Path, tmp_path: Path) -> None:
+    # Given: two captured samples; the second's aux states hold a NaN at a prompt position
+    run = tmp_path / "run"
+    recs = []
+    for idx, prompt in enumerate([[1, 5, 9], [2, 7, 7, 30, 4]]):
+        output, lps, states = generated(model, prompt, 8)
+        if idx == 1:
+            states["aux_hidden_state"][2, 3] = float("nan")
+        save_captured(run / "states" / f"r{idx}.safetensors", states)
+        recs.append({"idx": idx, "id": f"s{idx}", "dataset": "B1", "prompt_ids": prompt,
+                     "output_ids": output, "states": f"states/r{idx}.safetensors",
+                     "output_logprobs": pack_logprobs(lps)})
+    shard = write_jsonl(tmp_path / "shard.jsonl", recs)
+    for check_states in (True, False):
+        out = tmp_path / f"hs-{check_states}"
+        cfg = ExtractionConfig(model_path=str(model), output_dir=str(out),
+                               aux_layer_ids=AUX, dtype="float32", device="cpu",
+                               max_length=64, backend="captured", run_dir=str(run),
+                               check_atol_nats=1e-3, check_states=check_states,
+                               keep_captured_states=True)
+
+        # When: the shard is extracted
+        with Extractor(cfg) as ex:
+            result = ex.run_shard(shard)
+
+        # Then: the NaN sample is a state-check failure counted as failed, never written
+        assert result.written == 1
+        assert [f.idx for f in result.failures] == [1]
+        assert "aux_hidden_state holds 1 values that are not finite" in result.failures[0].reason
+        assert result.failures[0].check.nonfinite == 1
+        assert result.check.failed == 1
+        assert not list(out.rglob("data_1.ckpt"))
+
+
+def test_chunked_logits_measure_what_all_at_once_does(model: Path) -> None:
+    # the logits of 5 positions at a time, or of all 20 at once: the same gaps, the same
+    # worst position, for true states and for states one position late
+    sample, states = one_sample(model, [1, 5, 9], 20)
+    final = states["hidden_state"]
+    checks = [StateCheck.for_model(str(model), torch.device("cpu"), 1e-3, 0)
+              for _ in range(2)]
+    checks[0].chunk_positions, checks[1].chunk_positions = 5, 0
+    assert checks[0].chunk(VOCAB) == 5 and StateCheck(torch.ones(1), torch.device("cpu"),
+                                                      0.0, 0).chunk(163840) == 409
+    for states_given in (final, torch.roll(final, 1, 0)):
+        chunked, whole = (c.measure(sample, states_given) for c in checks)
+        assert chunked.positions == whole.positions == 20
+        assert chunked.position == whole.position
+        assert chunked.gap == pytest.approx(whole.gap, abs=1e-6)
+        assert chunked.excess == pytest.approx(whole.excess, abs=1e-6)
