@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
-from datagen.servers.chat_request import request_body
+from datagen.servers.chat_request import RENDERINGS, RequestRefused, request_body
 from datagen.tokenization.chat import ChatEncoder
 from datagen.tokenization.tokenizer import build_tiny_tokenizer
 from producers.reader import BadRecord, read_dataset
@@ -103,8 +103,8 @@ def test_every_corpus_prompt_is_the_ids_the_servers_own_code_renders(
         assert "ids" in answer, f"{where}: the server refused the request: {answer}"
         ours = encoder.encode(list(messages), tools)
         if ours != answer["ids"]:
-            at = next((i for i, (a, b) in enumerate(zip(ours, answer["ids"])) if a != b),
-                      min(len(ours), len(answer["ids"])))
+            at = next((i for i, (a, b) in enumerate(zip(ours, answer["ids"], strict=False))
+                       if a != b), min(len(ours), len(answer["ids"])))
             differ.append(f"{where}: first difference at token {at}:\n  ours:   "
                           f"{encoder.decode(ours[at:at + 40])!r}\n  server: "
                           f"{encoder.decode(answer['ids'][at:at + 40])!r}")
@@ -120,3 +120,48 @@ def test_the_corpus_covers_every_shape_the_issue_names() -> None:
 
 if __name__ == "__main__":  # debugging: print one kind's differences
     sys.exit(pytest.main([__file__, "-x", "-q"]))
+
+
+# --- each rule on its own (the corpus test above holds them against the engines) -----------
+
+SPEC = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+
+
+def test_a_bare_spec_is_wrapped_and_dumped_as_each_servers_tool_model_dumps_it() -> None:
+    (sglang_tool,) = RENDERINGS["sglang"]([], [SPEC], "")[1]
+    (vllm_tool,) = RENDERINGS["vllm"]([], [SPEC], "")[1]
+    # SGLang keeps the given order, adds the missing description, and its wrapper's field
+    assert list(sglang_tool["function"].items()) == [
+        ("name", "f"), ("parameters", SPEC["parameters"]), ("description", None)]
+    assert sglang_tool["defer_loading"] is None and sglang_tool["type"] == "function"
+    # vLLM dumps its fields in its own order
+    assert list(vllm_tool["function"]) == ["name", "description", "parameters"]
+    assert vllm_tool == {"type": "function", "function": {
+        "name": "f", "description": None, "parameters": SPEC["parameters"]}}
+
+
+def test_user_names_tool_parts_and_list_arguments_follow_the_configured_server() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    chat = [{"role": "user", "content": "q", "name": "bob"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "functions.f:0", "type": "function",
+                 "function": {"name": "f", "arguments": {}}}]},
+            {"role": "tool", "content": parts, "tool_call_id": "functions.f:0"}]
+    sglang, _ = RENDERINGS["sglang"](chat, None, "")
+    vllm, _ = RENDERINGS["vllm"](chat, None, "")
+    assert sglang[0] == {"role": "user", "content": "q"}  # SGLang's user model has no name
+    assert vllm[0] == {"role": "user", "content": "q", "name": "bob"}
+    assert (sglang[2]["content"], vllm[2]["content"]) == ("a b", "a\nb")
+    assert sglang[1]["tool_calls"][0] == {"id": "functions.f:0", "index": None,
+                                          "type": "function",
+                                          "function": {"name": "f", "arguments": {}}}
+    chat[1]["tool_calls"][0]["function"]["arguments"] = [1, 2]
+    assert RENDERINGS["vllm"](chat, None, "")[0][1]["tool_calls"][0]["function"][
+        "arguments"] == {}
+    with pytest.raises(RequestRefused, match="not a list"):
+        RENDERINGS["sglang"](chat, None, "")
+
+
+def test_a_server_kind_with_no_rendering_is_refused(tokenizers: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="server_kind 'tgi'"):
+        ChatEncoder(tokenizers["qwen"], server_kind="tgi")

@@ -107,14 +107,14 @@ BAD_LINES = [
      '{"role": "tool", "tool_call_id": "c1", "content": "r"}]}',
      ["turn 2: tool call 1 (f): arguments are not JSON"]),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
-     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1]"}}]}, '
+     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "5"}}]}, '
      '{"role": "tool", "tool_call_id": "c1", "content": "r"}]}',
-     ["turn 2: tool call 1 (f): arguments must be a JSON object, got array"]),
+     ["turn 2: tool call 1 (f): arguments must be a JSON object, got number"]),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
      '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": {}}}]}, '
      '{"role": "tool", "tool_call_id": "c9", "content": "r"}]}',
      ["turn 3: tool_call_id 'c9' answers no call"]),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, '
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, '
      '{"role": "tool", "content": "r"}]}', ["turn 3: a 'tool' turn with no tool call"]),
     ('{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]}',
      ["tools[1]: not a function spec"]),
