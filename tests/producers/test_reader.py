@@ -56,6 +56,15 @@ def test_sharegpt_shape_maps_human_and_gpt_roles(tmp_path: Path) -> None:
     assert prompt.messages[-1] == {"role": "user", "content": "Tell a joke"}
 
 
+def test_sharegpt_system_column_becomes_the_first_turn(tmp_path: Path) -> None:
+    # LLaMA-Factory's ShareGPT rows carry the system prompt in a column of its own
+    turns = [{"from": "human", "value": "Hi"}]
+    prompt = only_prompt(write_lines(tmp_path / "d.jsonl", [
+        {"system": "Be brief.", "conversations": turns}]))
+    assert prompt.messages == ({"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Hi"})
+
+
 def test_specforge_shape_uses_role_content_conversations(tmp_path: Path) -> None:
     record = {"id": "sf-9", "conversations": [USER]}
     prompt = only_prompt(write_lines(tmp_path / "d.jsonl", [record]))
