@@ -103,13 +103,6 @@ def sglang_message(message: Mapping[str, Any], content_format: str) -> Message:
     return out
 
 
-def sglang(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
-           template: str) -> tuple[list[Message], list[dict[str, Any]] | None]:
-    content_format = sglang_content_format(template)
-    return ([sglang_message(m, content_format) for m in messages],
-            [sglang_tool(t) for t in tools] if tools else None)
-
-
 # --- vLLM 0.32 ------------------------------------------------------------------------------
 
 
@@ -155,14 +148,20 @@ def vllm_message(message: Mapping[str, Any], content_format: str) -> Message:
     return out
 
 
-def vllm(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
-         template: str) -> tuple[list[Message], list[dict[str, Any]] | None]:
-    content_format = vllm_content_format(template)
-    return ([vllm_message(m, content_format) for m in messages],
-            [vllm_tool(t) for t in tools] if tools else None)
+def rendering(detect: Callable[[str], str], message: Callable[[Mapping[str, Any], str], Message],
+              tool: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Rendering:
+    """A server's rendering: its content-format detector, its message and its tool rules."""
+    def render(messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None,
+               template: str) -> tuple[list[Message], list[dict[str, Any]] | None]:
+        content_format = detect(template)
+        return ([message(m, content_format) for m in messages],
+                [tool(t) for t in tools] if tools else None)
+    return render
 
 
-RENDERINGS: dict[str, Rendering] = {"sglang": sglang, "vllm": vllm}
+RENDERINGS: dict[str, Rendering] = {
+    "sglang": rendering(sglang_content_format, sglang_message, sglang_tool),
+    "vllm": rendering(vllm_content_format, vllm_message, vllm_tool)}
 # Where each server's answers put the reasoning, so where a client sends it back.
 REASONING_FIELDS = {"sglang": "reasoning_content", "vllm": "reasoning"}
 
