@@ -52,7 +52,7 @@ class Settings:
     server_url: str = "http://127.0.0.1:30000"  # SGLang server or router (/generate)
     # "vllm": vLLM's token-in/token-out API (launched with --enable-scale-out); "auto": read
     # from the server's /v1/models once per process
-    server_kind: str = "sglang"  # what serves server_url: "sglang", "vllm" or "auto"
+    server_kind: str = "sglang"  # serves server_url, renders prompts: sglang, vllm or auto
     # The vLLM server writes each sample's hidden states while it generates (launched with
     # the arguments datagen.servers.capture.server_args gives, DESIGN.md); the training folder is
     # then built with extract_backend = "captured", no forward pass. server_kind "vllm" only.

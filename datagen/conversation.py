@@ -6,10 +6,10 @@ store and the training rows read only it. A message is OpenAI's, normalised:
     {"role": "system" | "user" | "assistant" | "tool",
      "content": str | [{"type": "text", "text": str}, ...],
      "reasoning_content": str,                       # assistant, optional (thinking)
-     "tool_calls": [{"id"?, "type": "function",
+     "tool_calls": [{"id": str, "type": "function",
                      "function": {"name": str, "arguments": {...}}}],   # assistant, optional
-     "tool_call_id"?: str, "name"?: str,             # tool, optional
-     ...any other key of the input, unchanged (a template may read it)}
+     "tool_call_id": str, "name"?: str,              # tool (tool_call_id always there)
+     ...any other key of the input, unchanged}
 
 Normalised as the serving engines do before they render (SGLang 0.5.23's
 ``normalize_assistant_tool_call_arguments`` and ``process_content_for_template_format``,
@@ -17,10 +17,22 @@ vLLM's chat utils): call arguments given as a JSON string become the object; a c
 ``null`` content becomes ""; the ``reasoning`` and ``thinking`` spellings exports use become
 ``reasoning_content``. ShareGPT's tool roles (LLaMA-Factory, glaive) become OpenAI's:
 ``function_call`` an assistant turn with ``tool_calls``, ``observation`` a ``tool`` turn.
+A ``null`` field is an absent one (a Hugging Face ``datasets`` export writes every field of a
+struct column on every message: ``"name": null``, ``"tool_call_id": null``); ``null`` or ""
+arguments are ``{}``, as both servers take them; a list of arguments is kept (vLLM takes it
+as ``{}``, SGLang refuses it: ``datagen.servers.chat_request``).
+
+Ids, the documented choice: a call without an id gets Kimi's own, ``functions.NAME:IDX``, IDX
+counting the conversation's calls from 0 (what SGLang's and vLLM's ``kimi_k2`` tool parsers
+give the calls a Kimi target makes, so what a client sends back in live traffic); a ``tool``
+turn without a ``tool_call_id`` answers the call at its place in the run of results after
+the assistant turn, and gets that call's id. A request always carries ids, so no template
+renders an id the dataset left out as nothing (or as ``None``).
 
 Refused, with the reason (``ConversationError``): media parts (an image, audio or video cannot be
 generated from token ids), a ``tool`` turn with no call before it, a ``tool_call_id`` no earlier
-call has, arguments that are not a JSON object, ``tools`` that are not function specs.
+call has, arguments that are not a JSON object, more results than calls in a run, ``tools``
+that are not function specs.
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ def messages_of(value: Any, field: str) -> list[Message]:
         raise ConversationError(f"empty '{field}'")
     messages = [_turn(turn, number) for number, turn in enumerate(value, start=1)]
     check_calls(messages)
+    give_ids(messages)
     return messages
 
 
@@ -80,7 +93,7 @@ def tools_of(value: Any) -> list[Any] | None:
                 or not spec["name"]:
             raise ConversationError(f"tools[{number}]: not a function spec (expected "
                                     "{'type': 'function', 'function': {'name', ...}})")
-        if "parameters" in spec and not isinstance(spec["parameters"], dict):
+        if spec.get("parameters") is not None and not isinstance(spec["parameters"], dict):
             raise ConversationError(f"tools[{number}] ({spec['name']}): 'parameters' must be "
                                     f"an object, got {json_type(spec['parameters'])}")
     return value or None
@@ -97,7 +110,7 @@ def _turn(turn: Any, number: int) -> Message:
     if not isinstance(role, str) or role not in ROLES:
         raise ConversationError(f"turn {number}: unknown role {role!r} (expected one of "
                                 f"{', '.join(ROLES)})")
-    message = {k: v for k, v in turn.items() if k not in REASONING_KEYS}
+    message = {k: v for k, v in turn.items() if k not in REASONING_KEYS and v is not None}
     reasoning = _reasoning(turn, number)
     if reasoning is not None:
         if role != "assistant":
@@ -158,14 +171,16 @@ def _call(call: Any, number: int, index: int) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
             or not function["name"]:
         raise ConversationError(f"{where}: expected {{'function': {{'name', 'arguments'}}}}")
-    arguments = function.get("arguments", {})
+    arguments = function.get("arguments")
+    if arguments is None:
+        arguments = {}
     if isinstance(arguments, str):
         arguments = _loads(arguments, f"{where} ({function['name']}): arguments are not JSON") \
             if arguments.strip() else {}
-    if not isinstance(arguments, dict):
+    if not isinstance(arguments, (dict, list)):
         raise ConversationError(f"{where} ({function['name']}): arguments must be a JSON "
                                 f"object, got {json_type(arguments)}")
-    out = {k: v for k, v in call.items() if k != "function"}
+    out = {k: v for k, v in call.items() if k != "function" and v is not None}
     out.setdefault("type", "function")
     if "id" in out and not isinstance(out["id"], str):
         raise ConversationError(f"{where}: 'id' must be a string, got {json_type(out['id'])}")
@@ -193,8 +208,8 @@ def _reasoning(turn: dict[str, Any], number: int) -> str | None:
 
 def _content(content: Any, number: int, role: str, may_be_empty: bool) -> str | list[Any]:
     if content is None:
-        if role == "assistant" and may_be_empty:
-            return ""  # a call-only turn: the engines render null as ""
+        if (role == "assistant" and may_be_empty) or role in ("system", "tool"):
+            return ""  # a call-only turn, an empty result: both servers render null as ""
         raise ConversationError(f"turn {number}: content is null")
     if isinstance(content, str):
         return content
@@ -216,15 +231,17 @@ def _content(content: Any, number: int, role: str, may_be_empty: bool) -> str | 
 
 def check_calls(messages: Sequence[Mapping[str, Any]]) -> None:
     """A ``tool`` turn answers a call of the assistant turn before it (after other results of
-    the same turn); its ``tool_call_id``, where both sides have ids, is one of those calls'."""
+    the same turn): one of its ``tool_calls`` or, without them, a call written in its text
+    (Hermes' ``<tool_call>``, ToolACE's ``[f(x=1)]``); its ``tool_call_id``, where both sides
+    have ids, is one of those calls'."""
     open_ids: set[str] | None = None  # the calls a tool turn may answer now
     for number, message in enumerate(messages, start=1):
         role = message["role"]
         if role == "assistant":
             calls = message.get("tool_calls") or []
-            open_ids = {c["id"] for c in calls if c.get("id")} if calls else None
-            if calls and not open_ids:
-                open_ids = set()
+            open_ids = {c["id"] for c in calls if c.get("id")}
+            if not calls and not text_of(message.get("content") or "").strip():
+                open_ids = None  # no call, not even one written as text (Hermes, ToolACE)
         elif role == "tool":
             if open_ids is None:
                 raise ConversationError(f"turn {number}: a 'tool' turn with no tool call "
@@ -235,6 +252,26 @@ def check_calls(messages: Sequence[Mapping[str, Any]]) -> None:
                                         "call of the assistant turn before it")
         else:
             open_ids = None
+
+
+def give_ids(messages: Sequence[dict[str, Any]]) -> None:
+    """Kimi's ids (``functions.NAME:IDX``) for calls without one, and to each result without
+    a ``tool_call_id`` the id of the call at its place in its run of results (a result of a
+    call written as text has no id to get)."""
+    count, calls, answered = 0, [], 0
+    for number, message in enumerate(messages, start=1):
+        if message["role"] == "assistant":
+            calls, answered = message.get("tool_calls") or [], 0
+            for call in calls:
+                call.setdefault("id", f"functions.{call['function']['name']}:{count}")
+                count += 1
+        elif message["role"] == "tool" and calls:
+            if "tool_call_id" not in message:
+                if answered >= len(calls):
+                    raise ConversationError(f"turn {number}: a result without a tool_call_id "
+                                            f"after all {len(calls)} calls were answered")
+                message["tool_call_id"] = calls[answered]["id"]
+            answered += 1
 
 
 def text_of(content: str | Sequence[Mapping[str, Any]]) -> str:

@@ -163,13 +163,28 @@ def refuse_rewritten_history(settings: Settings, encoder: ChatEncoder) -> None:
         pass  # the template refuses this chat itself: each line's own check says why
 
 
+def rendering_kind(settings: Settings) -> str:
+    """Whose rendering of a chat request the prompts follow: ``server_kind``, or with
+    "auto" the kind the server at server_url says it is (asked once)."""
+    if settings.server_kind != "auto":
+        return settings.server_kind
+    client = SGLangClient(settings.server_url, settings.api_key, 5.0, 30.0, "auto")
+    try:
+        return client.kind.name
+    except ServerUnavailable as exc:
+        raise ServerUnavailable(
+            f"server_kind 'auto': {exc}; prompts are rendered as that server renders a chat "
+            "request, so its kind must be known: start it or set server_kind; nothing "
+            "enqueued") from exc
+
+
 class Producer:
     def __init__(self, settings: Settings, app: Celery, ledger: Ledger):
         self.settings = settings
         self.app = app
         self.ledger = ledger
         self.encoder = ChatEncoder(settings.tokenizer_path, settings.chat_template_kwargs,
-                                   settings.trust_remote_code)
+                                   settings.trust_remote_code, rendering_kind(settings))
         if settings.regenerate == "all":
             refuse_rewritten_history(settings, self.encoder)
         self.limits = server_limits(settings)

@@ -260,7 +260,7 @@ def _conversation(record: dict[str, Any]
         if "messages" in record:
             turns = messages_of(record["messages"], "messages")
         elif "conversations" in record:
-            turns = messages_of(record["conversations"], "conversations")
+            turns = _with_system(record, messages_of(record["conversations"], "conversations"))
         elif "prompt" in record:
             turns = _plain_turns(record)
         else:
@@ -274,6 +274,16 @@ def _conversation(record: dict[str, Any]
         raise _Invalid(str(exc)) from None
     messages, answer = _drop_trailing_answer(turns)
     return messages, answer, None if tools is None else tuple(tools)
+
+
+def _with_system(record: dict[str, Any], turns: list[Message]) -> list[Message]:
+    """ShareGPT's record-level ``system`` (LLaMA-Factory's column) as the first turn."""
+    system = record.get("system")
+    if system is None or turns[0]["role"] == "system":
+        return turns
+    if not isinstance(system, str):
+        raise _Invalid(f"'system' must be a string, got {json_type(system)}")
+    return [{"role": "system", "content": system}, *turns] if system else turns
 
 
 def _plain_turns(record: dict[str, Any]) -> list[Message]:

@@ -20,7 +20,8 @@ from datagen.builders.tiktoken_fixture import build_tiktoken_tokenizer
 from datagen.generation.follower import follow
 from datagen.generation.merge import merge_dataset
 from datagen.generation.records import iter_records, records_dir
-from datagen.tokenization.chat import ChatEncoder, content_format
+from datagen.servers.content_format import sglang_content_format, vllm_content_format
+from datagen.tokenization.chat import ChatEncoder
 from datagen.training.text_rows import TextRows
 from datagen.training.training_set import prepare
 from producers.producer import Producer
@@ -96,9 +97,12 @@ def test_sharegpt_tool_roles_become_calls_and_results(tmp_path):
         {"from": "gpt", "value": "It is 18C and sunny."}]}
     (prompt,) = read(tmp_path, line)
     assert [m["role"] for m in prompt.messages] == ["user", "assistant", "tool"]
+    # no ids in the row: the call gets Kimi's own (what live traffic carries), the result
+    # the id of the call it answers
     assert prompt.messages[1]["tool_calls"] == [{"type": "function", "function": {
-        "name": "get_weather", "arguments": {"city": "Paris"}}}]
-    assert prompt.messages[2] == {"role": "tool", "content": "18C, sunny"}
+        "name": "get_weather", "arguments": {"city": "Paris"}}, "id": "functions.get_weather:0"}]
+    assert prompt.messages[2] == {"role": "tool", "content": "18C, sunny",
+                                  "tool_call_id": "functions.get_weather:0"}
     assert prompt.tools == (TOOLS[0]["function"],)
 
 
@@ -126,7 +130,10 @@ def test_agent_prompt_ids_are_apply_chat_template_with_tools(tmp_path, kimi):
     # Kimi's layout: the declarations first, the call between section markers, the result as
     # its own turn named by the tool, and the prompt's last turn a tool result, so the turn
     # after the last user turn keeps its reasoning
-    assert text.startswith('<|im_system|>tool_declare<|im_middle|>[{"type":"function"')
+    # the tokenizer's own code declares the tools TypeScript style (Kimi-K2.5's)
+    assert text.startswith("<|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\n"
+                           "namespace functions {\n// Read a file\ntype read_file = (_: {\n"
+                           "  path?: string\n}) => any;\n}\n<|im_end|>")
     assert ("<|im_assistant|>assistant<|im_middle|><think>Look at setup.py first.</think>"
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:0"
             '<|tool_call_argument_begin|>{"path": "setup.py"}<|tool_call_end|>'
@@ -155,12 +162,20 @@ def test_a_plain_template_gets_the_text_parts_joined_as_sglang_joins_them(tmp_pa
     assert "<|header_start|>tool<|header_end|>\n\nfrom setuptools import setup<|eot|>" in text
 
 
-def test_content_format_is_detected_as_sglang_detects_it():
-    assert content_format("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
-    assert content_format("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}"
-                          "{% endfor %}{% endfor %}") == "openai"
-    assert content_format("{% for m in messages %}{% for p in m.content %}{% endfor %}"
-                          "{% endfor %}") == "openai"
+def test_content_format_is_detected_as_each_server_detects_it():
+    for detect in (sglang_content_format, vllm_content_format):
+        assert detect("{% for m in messages %}{{ m['content'] }}{% endfor %}") == "string"
+        assert detect("{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}"
+                      "{% endfor %}{% endfor %}") == "openai"
+        assert detect("{% for m in messages %}{% for p in m.content %}{% endfor %}"
+                      "{% endfor %}") == "openai"
+    # SGLang takes any template naming a medium for one that loops over parts; vLLM looks
+    # for the loop, also through a macro that is passed a message's content
+    assert sglang_content_format("{{ messages[0]['content'] }}{# image #}") == "openai"
+    assert vllm_content_format("{{ messages[0]['content'] }}{# image #}") == "string"
+    macro = ("{% macro parts(c) %}{% for p in c %}{{ p['text'] }}{% endfor %}{% endmacro %}"
+             "{% for message in messages %}{{ parts(message['content']) }}{% endfor %}")
+    assert (sglang_content_format(macro), vllm_content_format(macro)) == ("string", "openai")
 
 
 # --- regenerate = "each": one sample per assistant turn ------------------------------------

@@ -12,7 +12,8 @@ assistant turns to drop, and five deliberately bad lines so the demo shows the b
                  bad: nothing left after dropping the trailing assistant turn
     C1_agent     24 prompts, 1 file, agent trajectories: OpenAI with `tools`, `tool_calls`,
                  `tool` results and reasoning, ending on a result, an answer or a pending call,
-                 and ShareGPT `function_call`/`observation`; bad: an unknown tool_call_id
+                 and ShareGPT `function_call`/`observation`; every fourth trajectory with
+                 bare-spec tools and calls without ids; bad: an unknown tool_call_id
     C2_think     16 prompts, 1 file, thinking chats (`reasoning_content` on earlier turns), the
                  last user turn in OpenAI text parts; bad: an image part
 """
@@ -168,14 +169,16 @@ def agent_turns(rng: random.Random, i: int) -> list[dict[str, Any]]:
     for step in range(rng.randint(1, 3)):
         name = rng.choice(["read_file", "run_tests"])
         args = {"path": rng.choice(FILES)} if name == "read_file" else {"target": "tests/"}
-        call_id = f"functions.{name}:{step}"
+        # every fourth trajectory carries no ids (the reader gives Kimi's own)
+        ids = {"id": f"functions.{name}:{step}"} if i % 4 != 3 else {}
         turns.append({"role": "assistant", "content": None,
                       "reasoning_content": f"Step {step + 1}: check with {name}.",
-                      "tool_calls": [{"id": call_id, "type": "function", "function": {
+                      "tool_calls": [{**ids, "type": "function", "function": {
                           "name": name, "arguments": json.dumps(args)}}]})
         result = (f"{rng.randint(3, 40)} passed, {rng.randint(0, 2)} failed"
                   if name == "run_tests" else f"def handler():\n    return {rng.randint(1, 9)}")
-        turns.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": result})
+        answers = {"tool_call_id": ids["id"]} if ids else {}
+        turns.append({"role": "tool", **answers, "name": name, "content": result})
     if i % 3 == 1:
         turns.append({"role": "assistant", "content": "The handler returns a constant.",
                       "reasoning_content": "The results show it."})
@@ -195,7 +198,9 @@ def sharegpt_agent(path: str) -> dict[str, Any]:
 
 
 def c1_agent(rng: random.Random) -> list[str]:
-    rows = [{"id": f"traj-{i:02d}", "tools": AGENT_TOOLS, "messages": agent_turns(rng, i)}
+    # the trajectories without ids also declare their tools as bare function specs (glaive's)
+    rows = [{"id": f"traj-{i:02d}", "tools": AGENT_TOOLS if i % 4 != 3 else
+             [t["function"] for t in AGENT_TOOLS], "messages": agent_turns(rng, i)}
             for i in range(20)]
     rows += [{"id": f"glaive-{i}", **sharegpt_agent(FILES[i])} for i in range(4)]
     lines = [dump(r) for r in rows]

@@ -9,7 +9,8 @@ class of `datagen/tokenization/tiktoken_tokenization.py`, and a chat template th
 Kimi-K2.5's does (its role markers, tools, calls, results and thinking; a thinking switch read
 from the template kwargs, `thinking`, true by default):
 
-    <|im_system|>tool_declare<|im_middle|>[{"type":"function",...}]<|im_end|>   (with tools)
+    <|im_system|>tool_declare<|im_middle|># Tools\n\n## functions\nnamespace ...<|im_end|>
+                               (with tools: the tokenizer's TypeScript declaration of them)
     <|im_system|>system<|im_middle|>...<|im_end|><|im_user|>user<|im_middle|>...<|im_end|>
     <|im_assistant|>assistant<|im_middle|><think></think>text<|tool_calls_section_begin|>
       <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{"a":1}<|tool_call_end|>
@@ -48,7 +49,9 @@ CHAT_TEMPLATE = r"""{%- macro render_content(message) -%}
 {%- endmacro -%}
 {%- if tools -%}
 {{- '<|im_system|>tool_declare<|im_middle|>' -}}
-{{- tools | tojson(separators=(',', ':')) ~ '<|im_end|>' -}}
+{%- if tools_ts_str -%}{{- tools_ts_str -}}
+{%- else -%}{{- tools | tojson(separators=(',', ':')) -}}{%- endif -%}
+{{- '<|im_end|>' -}}
 {%- endif -%}
 {%- set ns = namespace(last_user=-1) -%}
 {%- for message in messages -%}
@@ -106,18 +109,22 @@ def _ranks(vocab_size: int) -> dict[bytes, int]:
     return ranks
 
 
-def build_tiktoken_tokenizer(out_dir: Path, vocab_size: int = 2048) -> Path:
+def build_tiktoken_tokenizer(out_dir: Path, vocab_size: int = 2048,
+                             chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a Kimi-style custom-code tokenizer folder into out_dir; loads only with
-    `AutoTokenizer.from_pretrained(out_dir, trust_remote_code=True)`."""
+    `AutoTokenizer.from_pretrained(out_dir, trust_remote_code=True)`. ``chat_template``:
+    another template than the demo's (a test passes Kimi-K2.5's published one)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ranks = _ranks(vocab_size)
     with open(out_dir / "tiktoken.model", "w", encoding="ascii") as fh:
         for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
             fh.write(f"{base64.b64encode(token).decode()} {rank}\n")
-    source = resources.files("datagen.tokenization").joinpath("tiktoken_tokenization.py")
-    with resources.as_file(source) as path:
-        shutil.copyfile(path, out_dir / f"{MODULE_NAME}.py")
+    for name, target in (("tiktoken_tokenization.py", f"{MODULE_NAME}.py"),
+                         ("tool_declaration_ts.py", "tool_declaration_ts.py")):
+        source = resources.files("datagen.tokenization").joinpath(name)
+        with resources.as_file(source) as path:
+            shutil.copyfile(path, out_dir / target)
     config = {
         "tokenizer_class": CLASS_NAME,
         "auto_map": {"AutoTokenizer": [f"{MODULE_NAME}.{CLASS_NAME}", None]},
@@ -126,6 +133,7 @@ def build_tiktoken_tokenizer(out_dir: Path, vocab_size: int = 2048) -> Path:
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
                                                    encoding="utf-8")
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    with open(out_dir / "chat_template.jinja", "w", encoding="utf-8", newline="") as fh:
+        fh.write(chat_template)
     logger.info("built tiktoken tokenizer in %s (%d ranks)", out_dir, len(ranks))
     return out_dir

@@ -1,13 +1,13 @@
-"""Prompt ids from a conversation, exactly as the target's chat template renders it.
+"""Prompt ids from a conversation, exactly as the configured server renders its chat request.
 
 ``ChatEncoder`` renders ``apply_chat_template(messages, tools=tools, add_generation_prompt=True,
 **chat_template_kwargs)`` over the conversation up to the turn generated (``datagen.
 conversation``'s messages; the last one a user or a tool turn) and tokenizes the text without
-adding special tokens, which is what SGLang's and vLLM's `/generate` take. Content given as a
-list of text parts reaches a template that loops over a message's parts unchanged; any other
-template gets the parts' text joined by one space. That is SGLang 0.5.23's rule
-(``detect_jinja_template_content_format``, ``process_content_for_template_format``), so the
-ids are those the served target would see for the same chat request.
+adding special tokens, which is what SGLang's and vLLM's `/generate` take. The messages and
+tools it hands the template are those the server of ``server_kind`` hands it for the chat
+request the conversation makes (``datagen.servers.chat_request``: the server's tool dump,
+the fields its message models keep, how it joins text parts), so the ids are those the
+served target sees for that request.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from datagen.conversation import text_of
+from datagen.servers.chat_request import RENDERINGS, RequestRefused
+from datagen.servers.content_format import CONTENT_FORMATS
 from datagen.tokenization.tokenizer import TokenizerError, load_tokenizer
 
 Chat = Sequence[Mapping[str, Any]]
@@ -28,7 +30,6 @@ TURN_SENTINEL = "<<datagen:generated-turn>>"
 # splits text on, they go into the turn the history check writes back (history_probes).
 THINK_MARKERS = ("<think>", "</think>")
 SPLIT_METHODS = ("split", "rsplit", "partition", "rpartition")
-MEDIA_WORDS = ("image", "audio", "video", "vision")
 
 
 class ChatTemplateError(ValueError):
@@ -82,40 +83,23 @@ def history_probes(template: str) -> tuple[dict[str, Any], ...]:
              "reasoning_content": "\nreasoning\n"})
 
 
-def content_format(template: str) -> str:
-    """"openai" when the template loops over a message's content parts, else "string"."""
-    if any(word in template for word in MEDIA_WORDS):
-        return "openai"  # SGLang's shortcut: a multimodal template reads parts
-    from jinja2 import nodes
-
-    tree = _parse(template)
-    if tree is None:
-        return "string"
-    for loop in tree.find_all(nodes.For):
-        target = loop.iter
-        while isinstance(target, (nodes.Filter, nodes.Test)) and target.node is not None:
-            target = target.node
-        if isinstance(target, nodes.Getattr) and target.attr == "content":
-            return "openai"
-        if (isinstance(target, nodes.Getitem) and isinstance(target.arg, nodes.Const)
-                and target.arg.value == "content"):
-            return "openai"
-    return "string"
-
-
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template and returns prompt token ids.
 
     template_kwargs go to the template on every call (e.g. `{"enable_thinking": False}`, or
-    Kimi's `{"thinking": False}`). Template failures (unknown role, missing content) raise
-    ChatTemplateError, a ValueError whose `.index` names the failing conversation of a batch
-    so the caller can drop it and retry.
+    Kimi's `{"thinking": False}`). server_kind ("sglang" or "vllm") names the server whose
+    rendering of a chat request the prompts follow. Template failures (unknown role, missing
+    content) and requests the server refuses raise ChatTemplateError, a ValueError whose
+    `.index` names the failing conversation of a batch so the caller can drop it and retry.
     """
 
     def __init__(
         self, tokenizer_path: str | Path, template_kwargs: Mapping[str, Any] | None = None,
-        trust_remote_code: bool = False,
+        trust_remote_code: bool = False, server_kind: str = "sglang",
     ) -> None:
+        if server_kind not in RENDERINGS:
+            raise ValueError(f"server_kind {server_kind!r}: prompts are rendered as one of "
+                             f"{', '.join(RENDERINGS)} renders a chat request")
         self._tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
         template = getattr(self._tokenizer, "chat_template", None)
         if isinstance(template, dict):  # named templates: the default is the one used
@@ -127,7 +111,9 @@ class ChatEncoder:
             raise TokenizerError(f"tokenizer_path {tokenizer_path}: the tokenizer has no "
                                  "eos token")
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
-        self.content_format = content_format(template)
+        self.server_kind = server_kind
+        self.template: str = template
+        self.content_format = CONTENT_FORMATS[server_kind](template)
         self.history_probes = history_probes(template)
         self.eos_token_id: int = int(self._tokenizer.eos_token_id)
         # len() counts added tokens too, which is what an embedding table must cover.
@@ -195,7 +181,8 @@ class ChatEncoder:
     def render_conversation(self, messages: Chat, tools: Tools = None) -> str:
         """The whole conversation's text, its last turn included: no generation prompt (what
         a trainer's parser renders)."""
-        return self._render_one([self._message(m) for m in messages], tools, generation=False)
+        chat, chat_tools = self.request(messages, tools)
+        return self._render_one(chat, chat_tools, generation=False)
 
     def render(self, messages: Chat, tools: Tools = None) -> str:
         """The prompt text the template produces for one conversation."""
@@ -203,10 +190,19 @@ class ChatEncoder:
 
     def render_batch(self, conversations: Sequence[Chat],
                      tools: Sequence[Tools] | None = None) -> list[str]:
-        chats = [[self._message(m) for m in conversation] for conversation in conversations]
-        tool_lists = list(tools) if tools is not None else [None] * len(chats)
-        if not chats:
+        if not conversations:
             return []
+        chats: list[list[dict[str, Any]]] = []
+        tool_lists: list[Tools] = []
+        for index, (conversation, given) in enumerate(zip(
+                conversations, tools if tools is not None else [None] * len(conversations),
+                strict=True)):
+            try:
+                chat, chat_tools = self.request(conversation, given)
+            except RequestRefused as exc:
+                raise ChatTemplateError(f"conversation {index}: {exc}", index) from exc
+            chats.append(chat)
+            tool_lists.append(chat_tools)
         try:
             return self._render(chats, tool_lists)
         except Exception as batch_exc:
@@ -236,11 +232,11 @@ class ChatEncoder:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def _message(self, message: Mapping[str, Any]) -> dict[str, Any]:
-        out = dict(message)
-        if self.content_format == "string" and isinstance(out.get("content"), list):
-            out["content"] = text_of(out["content"])
-        return out
+    def request(self, messages: Chat, tools: Tools = None
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools the server hands the template for this conversation's chat
+        request; raises RequestRefused where the server answers it with a 400."""
+        return RENDERINGS[self.server_kind](messages, tools, self.template)
 
     def _render(self, chats: list[list[dict[str, Any]]], tools: list[Tools]) -> list[str]:
         for chat in chats:

@@ -9,6 +9,11 @@ Like Kimi's, the class reads byte-level BPE ranks from `tiktoken.model` (one
 `<base64 token bytes> <rank>` per line), puts the special tokens right after the ranks, and
 encodes with a `tiktoken.Encoding`; the HF side sees each token as the GPT-2 byte-to-unicode
 spelling of its bytes.
+
+Like Kimi-K2.5's, the class overrides `apply_chat_template`: the tools' keys are sorted at
+every depth, and the template gets `tools_ts_str`, the TypeScript-style declaration of
+`tool_declaration_ts.py` (copied beside this file), which Kimi-K2.5's template prefers to
+its JSON dump of the tools. A server that loads the tokenizer runs this code too.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 
 import tiktoken
 from transformers import PreTrainedTokenizer
+
+from .tool_declaration_ts import encode_tools_to_typescript_style
 
 VOCAB_FILES_NAMES = {"vocab_file": "tiktoken.model"}
 # GPT-2's pre-split: contractions, letters, digits, other symbols, whitespace runs.
@@ -53,6 +60,15 @@ def byte_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+def deep_sort(value: Any) -> Any:
+    """Every mapping's keys in sorted order, at every depth; lists keep their order."""
+    if isinstance(value, dict):
+        return {key: deep_sort(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [deep_sort(item) for item in value]
+    return value
 
 
 class TinyTikTokenTokenizer(PreTrainedTokenizer):
@@ -112,3 +128,11 @@ class TinyTikTokenTokenizer(PreTrainedTokenizer):
         if os.path.abspath(self.vocab_file) != os.path.abspath(target):
             copyfile(self.vocab_file, target)
         return (target,)
+
+    def apply_chat_template(self, conversation: Any, tools: list[dict] | None = None,
+                            **kwargs: Any) -> Any:
+        tools = deep_sort(tools)
+        declared = encode_tools_to_typescript_style(tools) if tools else ""
+        if declared:
+            kwargs["tools_ts_str"] = declared
+        return super().apply_chat_template(conversation, tools=tools, **kwargs)

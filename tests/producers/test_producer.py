@@ -8,10 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import redis
 import zstandard
 from conftest import write_jsonl
@@ -19,9 +22,10 @@ from conftest import write_jsonl
 from cli.stack import REPO
 from config.settings import Settings
 from datagen.client import Limits
+from datagen.errors import ServerUnavailable
 from datagen.keys import queue_lists
 from datagen.redis_server import free_port
-from producers.producer import Plan, classify, fit_window
+from producers.producer import Plan, classify, fit_window, rendering_kind
 
 
 def test_classify_by_prompt_length_against_the_threshold() -> None:
@@ -264,3 +268,28 @@ def test_unknown_dataset_name_is_a_clear_error(tmp_path: Path, redis_url: str,
 
 def _queued(client: redis.Redis) -> int:
     return sum(client.llen(name) for name in queue_lists("short"))
+
+
+def test_prompts_follow_the_rendering_of_the_server_kind_auto_asks_the_server() -> None:
+    class VLLMModels(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps({"data": [{"id": "m", "owned_by": "vllm"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    assert rendering_kind(Settings(server_kind="vllm")) == "vllm"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), VLLMModels)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert rendering_kind(Settings(server_kind="auto", server_url=url)) == "vllm"
+    finally:
+        server.shutdown()
+    with pytest.raises(ServerUnavailable, match="server_kind 'auto'.*set server_kind"):
+        rendering_kind(Settings(server_kind="auto", server_url=f"http://127.0.0.1:{free_port()}"))

@@ -56,6 +56,15 @@ def test_sharegpt_shape_maps_human_and_gpt_roles(tmp_path: Path) -> None:
     assert prompt.messages[-1] == {"role": "user", "content": "Tell a joke"}
 
 
+def test_sharegpt_system_column_becomes_the_first_turn(tmp_path: Path) -> None:
+    # LLaMA-Factory's ShareGPT rows carry the system prompt in a column of its own
+    turns = [{"from": "human", "value": "Hi"}]
+    prompt = only_prompt(write_lines(tmp_path / "d.jsonl", [
+        {"system": "Be brief.", "conversations": turns}]))
+    assert prompt.messages == ({"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "Hi"})
+
+
 def test_specforge_shape_uses_role_content_conversations(tmp_path: Path) -> None:
     record = {"id": "sf-9", "conversations": [USER]}
     prompt = only_prompt(write_lines(tmp_path / "d.jsonl", [record]))
@@ -107,14 +116,14 @@ BAD_LINES = [
      '{"role": "tool", "tool_call_id": "c1", "content": "r"}]}',
      ["turn 2: tool call 1 (f): arguments are not JSON"]),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
-     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1]"}}]}, '
+     '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "5"}}]}, '
      '{"role": "tool", "tool_call_id": "c1", "content": "r"}]}',
-     ["turn 2: tool call 1 (f): arguments must be a JSON object, got array"]),
+     ["turn 2: tool call 1 (f): arguments must be a JSON object, got number"]),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, '
      '"tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": {}}}]}, '
      '{"role": "tool", "tool_call_id": "c9", "content": "r"}]}',
      ["turn 3: tool_call_id 'c9' answers no call"]),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, '
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}, '
      '{"role": "tool", "content": "r"}]}', ["turn 3: a 'tool' turn with no tool call"]),
     ('{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]}',
      ["tools[1]: not a function spec"]),
