@@ -113,8 +113,12 @@ def decoder(settings: Settings) -> Callable[[], TextRows] | None:
     def load() -> TextRows:
         from datagen.tokenization.chat import ChatEncoder  # noqa: PLC0415
 
+        # The prompts were rendered as server_kind's server renders a chat request; with
+        # "auto" (the kind the producer asked the server) SGLang's rules are tried, and a row
+        # they do not reproduce exactly is written as text (TextRows counts it inexact).
+        kind = settings.server_kind if settings.server_kind != "auto" else "sglang"
         return TextRows(ChatEncoder(path, settings.chat_template_kwargs,
-                                    settings.trust_remote_code))
+                                    settings.trust_remote_code, kind))
 
     return load
 

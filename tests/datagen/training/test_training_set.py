@@ -280,3 +280,18 @@ def test_the_ledger_s_done_maps_are_read_one_dataset_at_a_time(tmp_path, redis_u
 
     assert read == [("A1", []), ("B1", ["A1"])]  # each when its merge starts
     assert sorted(x["id"] for x in shard_lines(out)) == ["A1-1", "B1-1"]
+
+
+@pytest.mark.parametrize(("server_kind", "rendered_as"),
+                         [("vllm", "vllm"), ("sglang", "sglang"), ("auto", "sglang")])
+def test_text_rows_render_as_the_server_the_prompts_were_rendered_for(tmp_path, tokenizer_dir,
+                                                                       server_kind, rendered_as):
+    # The text rows are checked by rendering them back to the record's ids: with the rules of
+    # the server whose rendering made the prompts (server_kind), else every row whose request
+    # the two servers render differently would be written as text.
+    from cli.extraction import decoder
+
+    load = decoder(settings_for(tmp_path, tokenizer_path=str(tokenizer_dir),
+                                server_kind=server_kind))
+    assert load is not None
+    assert load().encoder.server_kind == rendered_as
