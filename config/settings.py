@@ -70,6 +70,10 @@ class Settings:
     # checks the sample's final states against them (log_softmax(lm_head(state)) at the
     # token) and dead-letters a sample whose gap is past the tolerance (DESIGN.md).
     check_states: bool = True  # ask vLLM for the sampled logprobs and check every sample
+    # Also ask vLLM for the prompt tokens' logprobs (prompt_logprobs) and check the prompt's
+    # positions: a logits pass over the prompt on the server, and the request skips
+    # vLLM's prefix cache (DESIGN.md, "Every state checked"). Off: only output positions.
+    check_prompt_states: bool = False  # also check the prompt's positions (vLLM prompt_logprobs)
     check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
     check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
     # The state check allows the rounding of the dtype the generation server ran in
