@@ -256,6 +256,9 @@ class Settings:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if self.check_prompt_states and not self.check_states:
+            raise SettingsError("check_prompt_states: true needs check_states = true (the "
+                                "prompt's positions are checked by the same state check)")
         if not 0.0 <= self.recapture_share <= 1.0:
             raise SettingsError(f"recapture_share: {self.recapture_share!r} must be between 0 "
                                 "and 1")

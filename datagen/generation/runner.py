@@ -128,8 +128,7 @@ def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
     return ctx.client.generate(prompt.prompt_ids, sampling_params(ctx.settings, job), rid,
                                dataset=job.dataset, extra=extra,
                                logprobs=ctx.settings.check_states,
-                               prompt_logprobs=ctx.settings.check_states
-                               and ctx.settings.check_prompt_states)
+                               prompt_logprobs=ctx.settings.check_prompt_states)
 
 
 def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
