@@ -51,7 +51,8 @@ def sample_of(positions: int, vocab: int, seed: int) -> SimpleNamespace:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (positions + 1,), generator=g).tolist()
     return SimpleNamespace(id=f"s{seed}", dataset="d", input_ids=ids[:-1], n_prompt=1,
-                           uncaptured=(ids[-1],), logprobs=tuple([-1.0] * positions))
+                           uncaptured=(ids[-1],), logprobs=tuple([-1.0] * positions),
+                           prompt_logprobs=())
 
 
 def row(shape: str, positions: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -70,6 +70,10 @@ class Settings:
     # checks the sample's final states against them (log_softmax(lm_head(state)) at the
     # token) and dead-letters a sample whose gap is past the tolerance (DESIGN.md).
     check_states: bool = True  # ask vLLM for the sampled logprobs and check every sample
+    # Also ask vLLM for the prompt tokens' logprobs (prompt_logprobs) and check the prompt's
+    # positions: a logits pass over the prompt on the server, and the request skips
+    # vLLM's prefix cache (DESIGN.md, "Every state checked"). Off: only output positions.
+    check_prompt_states: bool = False  # also check the prompt's positions (vLLM prompt_logprobs)
     check_positions_cpu: int = 32  # positions checked per sample on a CPU (all on a GPU); 0: all
     check_atol_nats: float = 0.01  # allowed gap besides the dtype's rounding of the logits
     # The state check allows the rounding of the dtype the generation server ran in
@@ -252,6 +256,9 @@ class Settings:
             raise SettingsError(f"extract_max_retries {self.extract_max_retries!r} and "
                                 f"extract_retry_countdown_s {self.extract_retry_countdown_s!r} "
                                 "must be >= 0")
+        if self.check_prompt_states and not self.check_states:
+            raise SettingsError("check_prompt_states: true needs check_states = true (the "
+                                "prompt's positions are checked by the same state check)")
         if not 0.0 <= self.recapture_share <= 1.0:
             raise SettingsError(f"recapture_share: {self.recapture_share!r} must be between 0 "
                                 "and 1")

@@ -149,13 +149,14 @@ class SGLangClient:
 
     def generate(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any], rid: str,
                  dataset: str | None = None, extra: Mapping[str, Any] | None = None,
-                 logprobs: bool = False) -> Generation:
+                 logprobs: bool = False, prompt_logprobs: bool = False) -> Generation:
         """One generate call; raises ServerUnavailable (retryable) or BadRequest. ``extra``
         goes into the body as it is (vLLM's ``kv_transfer_params`` with capture_states);
-        ``logprobs``: the sampled tokens' log-probabilities where the kind gives them."""
+        ``logprobs`` / ``prompt_logprobs``: the sampled tokens' / the prompt ids'
+        log-probabilities where the kind gives them."""
         kind = self.kind
         path = kind.generate_path
-        body = kind.generate_body(input_ids, sampling_params, rid, logprobs)
+        body = kind.generate_body(input_ids, sampling_params, rid, logprobs, prompt_logprobs)
         body.update(extra or {})
         headers = dict(self._headers, **{DATASET_HEADER: dataset}) if dataset else self._headers
         started = time.monotonic()

@@ -139,13 +139,29 @@ def logprobs_body(ids: list[int], asked: object) -> dict | None:
         return None
     content = []
     for i, token in enumerate(ids):
-        entry = {"token_id": token, "logprob": -0.5 - (token % 7) / 10 - (i % 3) / 100,
-                 "rank": 1}
+        entry = {"token_id": token, "logprob": made_up_logprob(token, i), "rank": 1}
         content.append({**entry, "top_logprobs": [entry]})
     return {"content": content}
 
 
-def result_body(req: SimRequest, config: SimulatorConfig, logprobs: object = None) -> dict:
+def made_up_logprob(token: int, position: int) -> float:
+    """No model here: a value below 0 that depends on the token and its position."""
+    return -0.5 - (token % 7) / 10 - (position % 3) / 100
+
+
+def prompt_logprobs_body(prompt: list[int], asked: object) -> list | None:
+    """The answer's ``prompt_logprobs`` for ``sampling_params.prompt_logprobs`` (None: not
+    asked): null for the first prompt id, then each id's own entry keyed by the id, as vLLM
+    answers 0 (what the pipeline asks; more is not emulated)."""
+    if asked is None:
+        return None
+    return [None, *({str(token): {"logprob": made_up_logprob(token, i), "rank": 1,
+                                  "decoded_token": None}}
+                    for i, token in enumerate(prompt[1:], 1))]
+
+
+def result_body(req: SimRequest, config: SimulatorConfig, logprobs: object = None,
+                prompt_logprobs: object = None, prompt: list[int] | None = None) -> dict:
     count = req.decoded
     reason, stop_reason = finish(req.finish_reason or {"type": "abort"}, config.eos_token_id)
     return {
@@ -154,7 +170,8 @@ def result_body(req: SimRequest, config: SimulatorConfig, logprobs: object = Non
         "usage": {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens + count,
                   "completion_tokens": count, "prompt_tokens_details": None,
                   "completion_tokens_details": None},
-        "prompt_logprobs": None, "prompt_token_id_logprobs": None, "prompt_token_ids": None,
+        "prompt_logprobs": prompt_logprobs_body(prompt or [], prompt_logprobs),
+        "prompt_token_id_logprobs": None, "prompt_token_ids": None,
         "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
         "ec_transfer_params": None, "output_mode": "tokens",
         "choices": [{"index": 0, "finish_reason": reason, "stop_reason": stop_reason,
@@ -191,8 +208,9 @@ def handle_generate(out: Responder, app: App, raw: bytes) -> None:
         reject(out, app, err, rid_hint, dataset)
         return
     req.done.wait()  # the engine stops by finishing every request
-    out.send_json(HTTPStatus.OK, result_body(req, app.config,
-                                             payload["sampling_params"].get("logprobs")))
+    asked = payload["sampling_params"]
+    out.send_json(HTTPStatus.OK, result_body(req, app.config, asked.get("logprobs"),
+                                             asked.get("prompt_logprobs"), item.input_ids))
 
 
 def handle_abort(out: Responder, app: App, raw: bytes) -> None:

@@ -52,6 +52,9 @@ class Sample:
     # (the record's output_logprobs, check_states): what the final state at position
     # n_prompt - 1 + i must give (datagen/extraction/integrity.py)
     logprobs: tuple[float, ...] = ()
+    # the same of prompt id j + 1, j = 0 .. len(prompt_ids) - 2 (the record's prompt_logprobs,
+    # check_prompt_states): what the final state at position j must give
+    prompt_logprobs: tuple[float, ...] = ()
 
     @property
     def length(self) -> int:
@@ -125,20 +128,26 @@ def prepare(line: int, rec: Any, max_length: int, overlong: str,
     logprobs = _logprobs(rec.get("output_logprobs"), len(rec["output_ids"]))
     if logprobs is None:
         return Rejected(idx, sid, "output_logprobs is not one float32 per output id")
+    prompt_logprobs = _logprobs(rec.get("prompt_logprobs"), max(0, len(prompt) - 1))
+    if prompt_logprobs is None:
+        return Rejected(idx, sid, "prompt_logprobs is not one float32 per prompt id after "
+                                  "the first")
     first = spans[0][0] if spans else len(prompt)
     kept, why = kept_length(first, len(ids), max_length, overlong, spans)
     if not kept:
         return Rejected(idx, sid, why, overlong=True)
     if not captured:
         return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first,
-                      kept < len(ids), spans, logprobs=logprobs)
+                      kept < len(ids), spans, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)
     as_hf, _ = kept_length(first, len(full), max_length, overlong, spans)
     return Sample(idx, sid, str(rec.get("dataset", "")), ids[:kept], first, kept < len(ids),
-                  spans, rec["states"], tuple(full[kept:as_hf]), logprobs)
+                  spans, rec["states"], tuple(full[kept:as_hf]), logprobs, prompt_logprobs)
 
 
 def _logprobs(raw: Any, n_output: int) -> tuple[float, ...] | None:
-    """A record's output_logprobs (() when it has none), or None when malformed."""
+    """A record's output_logprobs or prompt_logprobs (() when it has none), or None when
+    malformed."""
     if raw is None:
         return ()
     try:

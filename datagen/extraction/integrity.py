@@ -182,8 +182,11 @@ class StateCheck:
         # the ids the sample has (a captured one lacks its last output id as an input)
         known = [*sample.input_ids, *sample.uncaptured]
         first = sample.n_prompt - 1
-        out = [(first + i, int(known[first + i + 1]), lp) for i, lp in enumerate(sample.logprobs)
-               if 0 <= first + i < n and first + i + 1 < len(known) and lp > NO_LOGPROB]
+        # the prompt's positions (check_prompt_states), then the output's
+        served = [*enumerate(sample.prompt_logprobs),
+                  *((first + i, lp) for i, lp in enumerate(sample.logprobs))]
+        out = [(p, int(known[p + 1]), lp) for p, lp in served
+               if 0 <= p < n and p + 1 < len(known) and lp > NO_LOGPROB]
         if self.limit and len(out) > self.limit:
             rng = random.Random(zlib.crc32(f"{sample.dataset}/{sample.id}".encode()))
             out = sorted(rng.sample(out, self.limit))

@@ -127,7 +127,8 @@ def call(ctx: Context, job: Job, prompt: Prompt, rid: str,
              if states else None)
     return ctx.client.generate(prompt.prompt_ids, sampling_params(ctx.settings, job), rid,
                                dataset=job.dataset, extra=extra,
-                               logprobs=ctx.settings.check_states)
+                               logprobs=ctx.settings.check_states,
+                               prompt_logprobs=ctx.settings.check_prompt_states)
 
 
 def await_states(settings: Settings, path: Path, prompt: Prompt, gen: Generation
@@ -179,6 +180,9 @@ def persist(ctx: Context, job: Job, prompt: Prompt, rid: str, gen: Generation, t
         # the server's log-probability of each output id (check_states, vLLM): extraction
         # checks the sample's final states against them
         **({"output_logprobs": pack_logprobs(gen.logprobs)} if gen.logprobs else {}),
+        # the same of prompt id j + 1 (check_prompt_states): the prompt's positions checked
+        **({"prompt_logprobs": pack_logprobs(gen.prompt_logprobs)}
+           if gen.prompt_logprobs else {}),
         **(extra or {}),  # "turns" of a multi-turn sample
     })
 

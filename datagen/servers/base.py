@@ -72,6 +72,9 @@ class Generation:
     # the sampled tokens' log-probabilities, one per output id, where they were asked for
     # (``logprobs=True``) and the kind gives the model's own (vLLM's raw_logprobs)
     logprobs: tuple[float, ...] | None = None
+    # prompt id j+1's log-probability given the ids before it, j = 0 .. n_prompt - 2 (the
+    # first prompt id has none), where asked (``prompt_logprobs=True``) and the kind gives them
+    prompt_logprobs: tuple[float, ...] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -96,12 +99,13 @@ class ServerKind(ABC):
 
     @abstractmethod
     def generate_body(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any],
-                      rid: str, logprobs: bool = False) -> dict[str, Any]:
+                      rid: str, logprobs: bool = False,
+                      prompt_logprobs: bool = False) -> dict[str, Any]:
         """The body of one non-streamed generate call; ``sampling_params`` are SGLang's
         names (the settings' ``sampling_params`` plus ``max_new_tokens``). ``logprobs``: ask
         for the sampled tokens' log-probabilities before any sampling transform, where the
-        kind can give them (a kind that cannot asks for nothing). Raises BadRequest for a
-        parameter this kind cannot take."""
+        kind can give them (a kind that cannot asks for nothing); ``prompt_logprobs``: the
+        same of the prompt's ids. Raises BadRequest for a parameter this kind cannot take."""
 
     @abstractmethod
     def parse_generation(self, data: Any, latency_s: float) -> Generation:

@@ -31,9 +31,11 @@ class SGLang(ServerKind):
     health_path = "/health_generate"
 
     def generate_body(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any],
-                      rid: str, logprobs: bool = False) -> dict[str, Any]:
-        # logprobs are not asked: SGLang 0.5.23 returns them after temperature scaling
-        # (unless SGLANG_RETURN_ORIGINAL_LOGPROB is set on the server), not the model's own
+                      rid: str, logprobs: bool = False,
+                      prompt_logprobs: bool = False) -> dict[str, Any]:
+        # logprobs are not asked, the prompt's (input_token_logprobs) neither: SGLang 0.5.23
+        # returns them after temperature scaling (unless SGLANG_RETURN_ORIGINAL_LOGPROB is
+        # set on the server), not the model's own
         return {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
                 "rid": rid, "stream": False}
 

@@ -87,6 +87,24 @@ def sampled_logprobs(logprobs: Any, output_ids: list[int]) -> tuple[float, ...] 
     return tuple(float(c["logprob"]) for c in content)
 
 
+def prompt_id_logprobs(entries: Any) -> tuple[float, ...] | None:
+    """The answer's ``prompt_logprobs`` ([null, {"<id>": {"logprob": x, ...}}, ...]: one
+    entry per prompt id, the first null) as prompt id j+1's log-probability, j = 0, 1, ...;
+    None when not asked. With ``prompt_logprobs`` 0 each entry holds the prompt id itself,
+    and a second one when that id was not the top-ranked: the prompt id's is the one taken
+    (the dict's first, vLLM puts the prompt id first). ValueError when malformed."""
+    if entries is None:
+        return None
+    if not entries or entries[0] is not None:
+        raise ValueError("prompt_logprobs does not start with the first prompt id's null")
+    out = []
+    for entry in entries[1:]:
+        if not isinstance(entry, dict) or not entry:
+            raise ValueError("prompt_logprobs holds an entry that is not a token's logprob")
+        out.append(float(next(iter(entry.values()))["logprob"]))
+    return tuple(out)
+
+
 class VLLM(ServerKind):
     name = "vllm"
     generate_path = "/inference/v1/generate"
@@ -94,10 +112,13 @@ class VLLM(ServerKind):
     health_path = "/health"  # 200 while the engine core runs
 
     def generate_body(self, input_ids: Sequence[int], sampling_params_: Mapping[str, Any],
-                      rid: str, logprobs: bool = False) -> dict[str, Any]:
+                      rid: str, logprobs: bool = False,
+                      prompt_logprobs: bool = False) -> dict[str, Any]:
         params = sampling_params(sampling_params_)
         if logprobs:
             params["logprobs"] = 0  # the sampled token's only
+        if prompt_logprobs:
+            params["prompt_logprobs"] = 0  # each prompt id's own only
         return {"request_id": rid, "token_ids": list(input_ids),
                 "sampling_params": params, "stream": False}
 
@@ -114,6 +135,7 @@ class VLLM(ServerKind):
             latency_s=latency_s,
             text="",
             logprobs=sampled_logprobs(choice.get("logprobs"), output_ids),
+            prompt_logprobs=prompt_id_logprobs(data.get("prompt_logprobs")),
         )
 
     def abort_body(self, rid: str) -> dict[str, Any]:

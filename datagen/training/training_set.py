@@ -377,6 +377,8 @@ def _shard_line(idx: int, record: dict[str, Any], digest: Any, out: Path) -> str
         row["states"] = record["states"]
     if record.get("output_logprobs"):  # check_states: what extraction checks the states by
         row["output_logprobs"] = record["output_logprobs"]
+    if record.get("prompt_logprobs"):  # check_prompt_states: the prompt's positions too
+        row["prompt_logprobs"] = record["prompt_logprobs"]
     line = json.dumps(row, separators=(",", ":"), ensure_ascii=False) + "\n"
     digest.update(line.encode("utf-8"))
     return line

@@ -141,6 +141,28 @@ def test_the_client_generates_on_a_vllm_server(vllm_sim: str, kind: str) -> None
     assert gen.finish_reason == {"type": "length", "length": 8}
 
 
+def test_the_prompt_ids_logprobs_come_back_one_per_prompt_id_after_the_first(
+        vllm_sim: str) -> None:
+    # check_prompt_states asks vLLM for prompt_logprobs 0 (the prompt id's own); SGLang is
+    # never asked (its input_token_logprobs are scaled by the temperature too)
+    assert VLLM.generate_body([1], {"max_new_tokens": 2}, "r", prompt_logprobs=True)[
+        "sampling_params"]["prompt_logprobs"] == 0
+    assert "logprob_start_len" not in SGLANG.generate_body([1], {}, "r", True, True)
+    client = SGLangClient(vllm_sim, kind="vllm")
+    gen = client.generate([1, 5, 6, 9], {"max_new_tokens": 3}, new_rid("d"),
+                          prompt_logprobs=True)
+    assert gen.prompt_logprobs is not None and len(gen.prompt_logprobs) == 3
+    assert all(x < 0 for x in gen.prompt_logprobs) and gen.logprobs is None
+    assert client.generate([1, 5], {"max_new_tokens": 3}, new_rid("d")).prompt_logprobs is None
+    # vLLM's own shape: the prompt id first, then a better-ranked one where it was not top
+    answer = {"choices": [{"token_ids": [3], "finish_reason": "length"}],
+              "prompt_logprobs": [None, {"5": {"logprob": -2.5, "rank": 3},
+                                         "8": {"logprob": -0.1, "rank": 1}}]}
+    assert VLLM.parse_generation(answer, 0.1).prompt_logprobs == (-2.5,)
+    with pytest.raises(ValueError, match="first prompt id's null"):
+        VLLM.parse_generation({**answer, "prompt_logprobs": [{"1": {"logprob": -1.0}}]}, 0.1)
+
+
 def test_the_sampled_tokens_logprobs_come_back_one_per_output_id(vllm_sim: str) -> None:
     # check_states asks vLLM for logprobs 0; SGLang is never asked (its are scaled by the
     # temperature) and a call that does not ask gets none
@@ -201,3 +223,30 @@ def test_an_auto_client_waits_for_a_server_that_does_not_answer_yet() -> None:
         client.generate([1, 5], {"max_new_tokens": 4}, new_rid())
     client.abort(new_rid())  # logged, not raised: a close goes on with the other aborts
     assert repr(client) == "SGLangClient(http://127.0.0.1:9, auto)"
+
+
+def test_a_worker_with_check_prompt_states_stores_the_prompts_logprobs(stack: Any) -> None:
+    # Given: a short worker on a vLLM server (the simulator) with check_prompt_states on
+    from conftest import write_jsonl
+
+    from datagen.generation.records import iter_records, records_dir, unpack_logprobs
+    from producers.producer import Producer
+
+    stack.start_simulator("--kind", "vllm", "--lengths", "fixed:6", "--decode-step-s", "0.001")
+    part = write_jsonl(stack.tmp / "partition" / "B1.jsonl",
+                       [{"id": f"s{i}", "prompt": f"hello number {i}"} for i in range(3)])
+    settings = stack.configure(data_dir=str(part.parent), server_kind="vllm",
+                               check_prompt_states=True, short_concurrency=3)
+    stack.worker("short")
+    stack.wait_workers(1)
+    ledger = stack.ledger()
+
+    # When: the samples run
+    Producer(settings, stack.app(), ledger).run()
+    wait_until(lambda: len(list(iter_records(records_dir(settings.output_dir, "B1")))) == 3,
+               120, what="3 records stored")
+
+    # Then: each record holds one float32 per prompt id after the first, and the outputs'
+    for rec in iter_records(records_dir(settings.output_dir, "B1")):
+        assert len(unpack_logprobs(rec["prompt_logprobs"])) == len(rec["prompt_ids"]) - 1
+        assert len(unpack_logprobs(rec["output_logprobs"])) == len(rec["output_ids"])

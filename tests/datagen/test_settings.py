@@ -69,3 +69,9 @@ def test_recapture_share_is_a_share_and_reaches_the_extraction() -> None:
         load_settings(env={"DATAGEN_RECAPTURE_SHARE": "1.5"})
     cfg = extraction_config(load_settings(env={"DATAGEN_RECAPTURE_SHARE": "0.2"}))
     assert (cfg.recapture_share, cfg.server_url) == (0.2, Settings().server_url)
+
+
+def test_check_prompt_states_needs_check_states() -> None:
+    with pytest.raises(SettingsError, match="check_prompt_states: true needs check_states"):
+        load_settings(env={"DATAGEN_CHECK_PROMPT_STATES": "1", "DATAGEN_CHECK_STATES": "0"})
+    assert load_settings(env={"DATAGEN_CHECK_PROMPT_STATES": "1"}).check_prompt_states

@@ -201,9 +201,10 @@ PLANTS = {  # idx: (what, how)
 
 def test_planted_faults_in_captured_files_are_each_dead_lettered(
         vllm: GenerationServer, model: Path, run_dir: Path, tmp_path: Path) -> None:
-    # Given: six samples generated with capture and the server's logprobs (as a worker asks
-    # them), 8 prompt ids and 24 output ids each, their files copied with one fault planted
-    # each (PLANTS), the first as the server wrote it
+    # Given: six samples generated with capture and the server's logprobs, the prompt's too
+    # (as a worker asks them with check_prompt_states), 8 prompt ids and 24 output ids
+    # each, their files copied with one fault planted each (PLANTS), the first as the server
+    # wrote it
     client = SGLangClient(vllm.url, kind="vllm")
     recs = []
     for idx, (_, plant) in PLANTS.items():
@@ -212,13 +213,16 @@ def test_planted_faults_in_captured_files_are_each_dead_lettered(
         prompt = [1, 4, 17, 99, 250, 7, 8 + idx, 9]
         gen = client.generate(prompt, {"max_new_tokens": 24, "temperature": 0,
                                        "ignore_eos": True}, rid, logprobs=True,
+                              prompt_logprobs=True,
                               extra={"kv_transfer_params": capture.request_params(path)})
         assert capture.wait_released(path, 60)
         planted(path, run_dir / "states" / "planted" / f"{idx}.safetensors", plant)
         recs.append({"idx": idx, "id": f"p{idx}", "dataset": "plant", "prompt_ids": prompt,
                      "output_ids": gen.output_ids, "states": f"states/planted/{idx}.safetensors",
-                     "output_logprobs": pack_logprobs(gen.logprobs)})
+                     "output_logprobs": pack_logprobs(gen.logprobs),
+                     "prompt_logprobs": pack_logprobs(gen.prompt_logprobs)})
     assert all(len(r["output_ids"]) == 24 for r in recs)
+    assert all(len(unpack_logprobs(r["prompt_logprobs"])) == 7 for r in recs)
     shard = write_jsonl(tmp_path / "shard.jsonl", recs)
 
     def build(share: float) -> Any:
@@ -234,9 +238,10 @@ def test_planted_faults_in_captured_files_are_each_dead_lettered(
     result = build(1.0)
 
     # Then: the true file is written; each planted fault is dead-lettered: the NaN and the
-    # unwritten block as non-finite states (tensor and first position named), the shifted
-    # step, the garbage block and the prompt garbage by the re-capture, which names the
-    # layer and the position
+    # unwritten block as non-finite states (tensor and first position named), the prompt
+    # garbage by the prompt's log-probabilities (checked before the re-capture runs), the
+    # shifted step and the garbage block by the re-capture, which names the layer and the
+    # position
     assert result.written == 1
     reasons = {f.idx: f.reason for f in result.failures}
     assert sorted(reasons) == [1, 2, 3, 4, 5], reasons
@@ -246,18 +251,23 @@ def test_planted_faults_in_captured_files_are_each_dead_lettered(
                       r"at position (\d+)", reasons[2])
     assert first and 8 <= int(first.group(1)) < 24, reasons[2]
     where = {i: re.search(r"re-capture: (.*) \((\w+)\) at position (\d+)", reasons[i])
-             for i in (3, 4, 5)}
+             for i in (3, 4)}
     assert all(where.values()), reasons
     assert where[3].group(2) == "aux_hidden_state" and where[3].group(3) == "13"
     assert where[4].group(2) == "aux_hidden_state" and 8 <= int(where[4].group(3)) < 24
-    assert int(where[5].group(3)) < 7
+    prompt_check = re.compile(r"do not give the server's log-probabilities.* at position "
+                              r"(\d+) past")
+    assert (found := prompt_check.search(reasons[5])) and int(found.group(1)) < 7, reasons[5]
     assert result.check.failed == 5 and result.check.checked == 6
     print(f"FIGURE planted faults: {reasons}")
 
-    # And: without the re-capture, the shifted step, the garbage aux block and the prompt
-    # garbage pass the log-probability check (what it cannot see: DESIGN.md)
+    # And: without the re-capture, the prompt garbage is still caught at a prompt position by
+    # the prompt's log-probabilities; the shifted step and the garbage aux block pass the
+    # log-probability check (what it cannot see: DESIGN.md)
     unchecked = build(0.0)
-    assert sorted(f.idx for f in unchecked.failures) == [1, 2]
+    reasons = {f.idx: f.reason for f in unchecked.failures}
+    assert sorted(reasons) == [1, 2, 5], reasons
+    assert (found := prompt_check.search(reasons[5])) and int(found.group(1)) < 7, reasons[5]
 
 
 def datagen(monkeypatch: pytest.MonkeyPatch, stack: Stack, *argv: str) -> int:

@@ -220,6 +220,24 @@ def test_a_request_for_the_sampled_tokens_logprobs(pair: list[Target]) -> None:
     assert real["tokens"] and real["negative"] and real["top"]
 
 
+def test_a_request_for_the_prompt_ids_logprobs(pair: list[Target]) -> None:
+    # the prompt check's request (check_prompt_states): sampling_params.prompt_logprobs = 0
+    def scenario(t: Target) -> dict:
+        ids = [1, 5, 6, 7, 30]
+        body = t.post({"request_id": rid_of("prompt-logprobs"), "token_ids": ids,
+                       "sampling_params": {"max_tokens": 2, "temperature": 0,
+                                           "prompt_logprobs": 0}}).json()
+        entries = body["prompt_logprobs"]
+        return {**shape(body), "first": entries[0], "count": len(entries),
+                "keys": [list(e) for e in entries[1:]] == [[str(i)] for i in ids[1:]],
+                "entry": sorted(entries[1][str(ids[1])]),
+                "negative": all(e[str(i)]["logprob"] < 0
+                                for e, i in zip(entries[1:], ids[1:], strict=True))}
+    real, simulated = both(pair, scenario)
+    assert simulated == real
+    assert real["first"] is None and real["count"] == 5 and real["negative"]
+
+
 @pytest.mark.parametrize("length, max_tokens", [
     (CONTEXT + 1, 1),  # longer than max_model_len
     (CONTEXT, 1),  # max_model_len: no room for one token

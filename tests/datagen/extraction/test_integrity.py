@@ -251,3 +251,50 @@ def test_chunked_logits_measure_what_all_at_once_does(model: Path) -> None:
         assert chunked.position == whole.position
         assert chunked.gap == pytest.approx(whole.gap, abs=1e-6)
         assert chunked.excess == pytest.approx(whole.excess, abs=1e-6)
+
+
+def prompt_logprobs(model: Path, prompt: list[int]) -> list[float]:
+    """Prompt id j + 1's log-probability given the ids before it, as vLLM's prompt_logprobs
+    answer it (transformers standing in for vLLM)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    return [float(logp[j, prompt[j + 1]]) for j in range(len(prompt) - 1)]
+
+
+def test_garbage_in_the_prompt_positions_fails_only_with_the_prompts_logprobs(
+        model: Path) -> None:
+    # Given: a captured sample whose prompt positions' final states are garbage (a prefill
+    # chunk gone wrong: finite, other states), the output positions' true; once with the
+    # record's prompt_logprobs (check_prompt_states), once without
+    prompt = [1, 5, 9, 11, 40, 41, 42, 43]
+    output, lps, states = generated(model, prompt, 6)
+    rec = {"idx": 0, "id": "s", "dataset": "B1", "prompt_ids": prompt, "output_ids": output,
+           "states": "x", "output_logprobs": pack_logprobs(lps)}
+    without = prepare(1, rec, 64, "truncate", VOCAB, captured=True)
+    with_prompt = prepare(1, {**rec, "prompt_logprobs": pack_logprobs(
+        prompt_logprobs(model, prompt))}, 64, "truncate", VOCAB, captured=True)
+    check = StateCheck.for_model(str(model), torch.device("cpu"), 1e-3, 0)
+    final = states["hidden_state"]
+    assert check.check(with_prompt, final).positions == 7 + 6  # the true states pass
+    garbage = final.clone()
+    garbage[1:len(prompt) - 1] = torch.flip(final[1:len(prompt) - 1], (0,)) * 3
+
+    # When / Then: without the prompt's log-probabilities it passes (only output positions)
+    assert check.check(without, garbage).positions == 6
+    # and with them it fails at a prompt position
+    with pytest.raises(StateCheckFailed) as failed:
+        check.check(with_prompt, garbage)
+    assert 1 <= failed.value.result.position < len(prompt) - 1
+    assert failed.value.result.positions == 13
+
+
+def test_a_record_whose_prompt_logprobs_do_not_follow_its_prompt_is_rejected() -> None:
+    rec = {"idx": 0, "id": "s", "dataset": "B1", "prompt_ids": [1, 2, 3], "output_ids": [4, 5, 6],
+           "prompt_logprobs": pack_logprobs([-1.0])}  # two prompt ids after the first
+    rejected = prepare(1, rec, 64, "truncate", VOCAB)
+    assert "prompt_logprobs is not one float32 per prompt id" in rejected.reason
+    assert prepare(1, {**rec, "prompt_logprobs": pack_logprobs([-1.0, -2.0])}, 64,
+                   "truncate", VOCAB).prompt_logprobs == (-1.0, -2.0)

@@ -295,3 +295,21 @@ def test_text_rows_render_as_the_server_the_prompts_were_rendered_for(tmp_path, 
                                 server_kind=server_kind))
     assert load is not None
     assert load().encoder.server_kind == rendered_as
+
+
+def test_a_records_logprobs_pass_into_its_shard_row_and_read_back_for_the_check() -> None:
+    # Given: a record with the server's log-probabilities of its outputs and its prompt
+    from datagen.extraction.files import prepare
+    from datagen.generation.records import pack_logprobs
+    from datagen.training.training_set import _shard_line
+
+    record = {"id": "s", "dataset": "B1", "prompt_ids": [1, 2, 3], "output_ids": [4, 5],
+              "output_logprobs": pack_logprobs([-0.5, -0.25]),
+              "prompt_logprobs": pack_logprobs([-1.0, -2.0])}
+
+    # When: its shard line is written and read back as extraction reads it
+    row = json.loads(_shard_line(0, record, hashlib.sha256(), Path("unused")))
+    sample = prepare(1, row, 64, "truncate", 16)
+
+    # Then: both reach the sample the state check measures
+    assert sample.logprobs == (-0.5, -0.25) and sample.prompt_logprobs == (-1.0, -2.0)
