@@ -40,11 +40,13 @@ def run_demo(argv: list[str], timeout_s: float,
 
 def assert_agent_turns(work: Path, records: list[dict[str, Any]]) -> int:
     """The demo's agent trajectories went through: each prompt is the demo template's
-    rendering of the history with the record's tools, many of them ending on a tool result.
-    Returns how many agent records there were."""
+    rendering of the history with the record's tools, as the demo's server renders that chat
+    request, many of them ending on a tool result. Returns how many agent records there were."""
+    from config.settings import load_settings
     from datagen.tokenization.chat import ChatEncoder
 
-    encoder = ChatEncoder(work / "tokenizer")
+    kind = load_settings(work / "datagen.toml", env={}).server_kind
+    encoder = ChatEncoder(work / "tokenizer", server_kind=kind)
     agent = [r for r in records if r["dataset"] == "C1_agent"]
     assert agent and all(r["tools"] for r in agent if not r["id"].startswith("glaive"))
     for rec in agent:
