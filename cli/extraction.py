@@ -21,6 +21,7 @@ from datagen.errors import PermanentError
 from datagen.extraction import ledger as xlm
 from datagen.extraction import runner, tally
 from datagen.extraction.estimate import (
+    DEFAULT_RESIDENT_BYTES,
     DTYPE_BYTES,
     PRESETS,
     check_disk,
@@ -310,16 +311,28 @@ def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
         shape = model_shape(settings.model_path)
         hidden, layers = hidden or shape[0], layers or shape[1]
     captured = args.capture or settings.capture_states
+    bound = _stream_bound(settings, args)
     rate, rate_source = ((0.0, "none needed: states captured while generating (capture_states)")
-                         if captured else _tokens_per_s(settings, args))
+                         if captured and (bound is None or args.epochs == 1)
+                         else _tokens_per_s(settings, args))
     plan = estimate(tokens, hidden, layers, rate, args.gpus, DTYPE_BYTES[settings.extract_dtype],
                     captured, settings.keep_captured_states, settings.extract_writer_threads,
-                    settings.train_max_length)
+                    settings.train_max_length, bound, args.epochs)
     print(f"tokens: {source}\ntokens/s per GPU: {rate_source}")
     print(plan.text)
     for line in _generation_lines(settings, args, plan.total_tokens, rate):
         print(line)
     return 0
+
+
+def _stream_bound(settings: Settings, args: argparse.Namespace) -> int | None:
+    """The resident bound when the plan streams (--stream or states_to = "stream"), else None."""
+    streams = args.stream or getattr(settings, "states_to", "files") == "stream"
+    if not streams:
+        return None
+    if args.resident_bytes is not None:
+        return int(args.resident_bytes)
+    return int(getattr(settings, "stream_resident_bytes", DEFAULT_RESIDENT_BYTES))
 
 
 def _generation_lines(settings: Settings, args: argparse.Namespace, extracted: int,

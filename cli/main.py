@@ -217,6 +217,15 @@ def _add_extraction_flags(parsers: dict[str, argparse.ArgumentParser]) -> None:
     est.add_argument("--capture", action="store_true",
                      help="plan for capture_states (also when the settings turn it on): no "
                           "extraction forward, the captured files counted on disk")
+    est.add_argument("--stream", action="store_true",
+                     help="plan for streaming the states into SpecForge's data plane (also "
+                          "when the settings say states_to = \"stream\"): no states on disk, "
+                          "the store's resident bytes, a prefill per epoch")
+    est.add_argument("--resident-bytes", type=int, metavar="N",
+                     help="the stream's bound on the store's resident bytes (default: the "
+                          "setting stream_resident_bytes)")
+    est.add_argument("--epochs", type=int, default=1, metavar="N",
+                     help="epochs the trainer runs over the stream (default 1)")
     cal = parsers["calibrate"]
     cal.add_argument("--seq-len", type=int, default=4096,
                      help="tokens per measured sequence (default 4096)")

@@ -131,3 +131,48 @@ def test_estimate_command_takes_capture_without_a_rate():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "none needed" in result.stdout and "= 7.89 TB: each captured file is freed" in \
         result.stdout
+
+
+def test_the_stream_plans_no_disk_its_resident_bound_and_a_prefill_per_epoch():
+    # Given: the seed's run captured while generating, streamed for two epochs under 8 GiB,
+    # recomputed at 6,250 prefill tokens/s on each of 8 GPUs (one Kimi-K2.5 node's ~50k)
+    bound = 8 * 2**30
+    plan = est.estimate(ORIGINAL_RUN, hidden_size=7168, num_layers=61, tokens_per_s=6250,
+                        n_gpus=8, dtype_bytes=2, captured=True, max_length=2048,
+                        stream_bound=bound, epochs=2)
+
+    # Then: no disk for states, the store's bytes per token are the stream's (3 int64 rows)
+    tokens = 137_500_000
+    assert plan.peak_bytes == 0
+    st = plan.stream
+    assert st.bytes_per_token == 4 * 7168 * 2 + 24 == 57_368
+    assert st.samples_resident == bound // (2048 * 57_368) == 73
+    # the captured first epoch costs no forward; the second is a prefill of every token
+    assert st.first_epoch_hours == 0
+    assert st.hours == pytest.approx(tokens / (6250 * 8) / 3600)
+    text = plan.text
+    assert "disk for states = 0 B" in text and "73 samples of train_max_length" in text
+    assert "= 0.8 h of forward in all" in text
+    # and without capture every epoch is a prefill, the first included
+    plain = est.estimate(ORIGINAL_RUN, 7168, 61, tokens_per_s=6250, n_gpus=8,
+                         stream_bound=bound, epochs=2)
+    assert plain.stream.hours == pytest.approx(2 * tokens / (6250 * 8) / 3600)
+    # a bound below one sample says so; a second epoch of captured states needs a rate
+    small = est.estimate(ORIGINAL_RUN, 7168, 61, tokens_per_s=1, stream_bound=1000)
+    assert "NOT ONE sample" in small.text
+    with pytest.raises(ValueError, match="recomputes the states by prefill"):
+        est.estimate(ORIGINAL_RUN, 7168, 61, tokens_per_s=0, captured=True,
+                     stream_bound=bound, epochs=2)
+
+
+def test_estimate_command_plans_the_stream_for_the_public_drafters_six_billion_tokens():
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", "estimate", "--preset", "kimi-k2.5", "--tokens",
+         "6000000000", "--stream", "--epochs", "2", "--tokens-per-s", "6250", "--gpus", "8",
+         "--resident-bytes", str(64 * 2**30)], cwd=ROOT, capture_output=True, text=True,
+        timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("DATAGEN_")})
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "as files = 6,000,000,000 tokens x 57,360 B = 344,160,000,000,000 B" in out
+    assert "resident <= 68.7 GB in the store" in out and "disk for states = 0 B" in out
+    assert "each further one a prefill from the records (33.3 h) = 66.7 h" in out
