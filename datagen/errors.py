@@ -6,6 +6,7 @@
     │   │   └── CaptureFailed         the server answered, its states file did not come
     │   │                             whole (capture_states): the sample is run again
     │   ├── LedgerUnavailable     Redis down or restarting
+    │   ├── ConsumerStopped       the SpecForge consumer a stream waits on ended or failed
     │   └── EngineLost            a gpu worker's model engine stopped (the shard is retried)
     └── PermanentError        retrying cannot help: dead-letter with the reason
         ├── BadRequest            SGLang answered 400 (over-long input, bad parameter)
@@ -33,6 +34,10 @@ class CaptureFailed(ServerUnavailable):
 
 
 class LedgerUnavailable(RetryableError):
+    pass
+
+
+class ConsumerStopped(RetryableError):
     pass
 
 
