@@ -167,7 +167,7 @@ def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
 def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     require_model_path(settings)
     manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
-    shards = xlm.shard_states(manifest)
+    shards = xlm.shard_states(manifest, settings)
     xl = xlm.ExtractionLedger(_ledger(settings).r)
     done, dead, todo = xlm.split_shards(shards, xl)
     out = training_set.extraction_dir(settings)
@@ -179,15 +179,17 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
         return _hand_off(settings, shards, _finished(xl, shards, done, dead, 0.0, out))
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
-    need = check_disk(out, sum(s.tokens for s in todo), hidden,
-                      DTYPE_BYTES[settings.extract_dtype], override=args.force)
+    need = 0 if settings.states_to == "stream" else check_disk(
+        out, sum(s.tokens for s in todo), hidden, DTYPE_BYTES[settings.extract_dtype],
+        override=args.force)
     send = xlm.nowhere(todo, xl, EXTRACT_TASK)
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)
     runner.enqueue(app, xl, [s.path for s in send])
+    where = (f"streamed into SpecForge (epoch {settings.stream_epoch}), no files"
+             if settings.states_to == "stream" else f"~{need / 1e9:,.1f} GB to write under {out}")
     print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
-          f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
-          flush=True)
+          f"{len(done)} done of {len(shards)}; {where}", flush=True)
     if args.no_wait:
         return 0
     return _hand_off(settings, shards, follow_extraction(xl, app, shards, args.interval,

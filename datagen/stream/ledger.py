@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -25,6 +27,12 @@ RATE_WINDOW_S = 60.0  # the trainer's rate: acks over the last minute
 
 def _script(name: str) -> str:
     return resources.files("datagen.stream").joinpath("lua", name).read_text(encoding="utf-8")
+
+
+def stream_dir(settings: Any) -> Path:
+    """The plane's folder (plane.json, the consumer's channel): stream_dir, else under the
+    run's output folder."""
+    return Path(settings.stream_dir or Path(settings.output_dir) / "stream")
 
 
 def in_epoch(sample_id: str, epoch: int) -> bool:
@@ -96,3 +104,16 @@ def epochs(client: redis.Redis) -> list[int]:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def describe(counts: StreamCounts, bound_bytes: int) -> str:
+    """One `datagen status` line of an epoch streamed into SpecForge."""
+    return (f"stream epoch {counts.epoch}: {counts.published:,} published, {counts.acked:,} "
+            f"acknowledged, {counts.resident_bytes / 2**20:,.1f} MiB resident of "
+            f"{bound_bytes / 2**20:,.1f} MiB (stream_resident_bytes); trainer "
+            f"{counts.acks_per_s:.2f} samples/s over the last {RATE_WINDOW_S:.0f} s")
+
+
+def status_lines(client: redis.Redis, bound_bytes: int) -> list[str]:
+    """A line per epoch that streamed anything, oldest first."""
+    return [describe(StreamLedger(client, e).counts(), bound_bytes) for e in epochs(client)]

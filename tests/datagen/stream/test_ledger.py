@@ -1,0 +1,49 @@
+"""The stream's per-epoch ledger (datagen/stream/ledger.py) on a real Redis: room is reserved
+under the bound before a put, acks free it once, epochs are apart, and status says so."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from datagen.extraction.ledger import done_version
+from datagen.generation.ledger import connect
+from datagen.stream.ledger import StreamLedger, status_lines
+
+
+def test_room_is_reserved_under_the_bound_and_freed_once_by_its_ack(redis_url: str) -> None:
+    ledger = StreamLedger(connect(redis_url), 1)
+    # the first sample fits even above the bound (it alone could never wait its way in)
+    assert ledger.reserve("B1/a@e1", 150, 100)
+    assert not ledger.reserve("B1/b@e1", 10, 100)
+    assert ledger.reserve("B1/a@e1", 150, 100)  # a re-run's put of the same id: its own room
+    assert ledger.resident_bytes() == 150
+    # acks of another epoch, of an unknown id, or twice, free nothing more
+    assert ledger.acked({"B1/a@e2", "B1/x@e1"}) == 0
+    assert ledger.acked({"B1/a@e1"}, now=1000.0) == 1
+    assert ledger.acked({"B1/a@e1"}) == 0
+    assert ledger.resident_bytes() == 0
+    assert ledger.reserve("B1/b@e1", 60, 100) and not ledger.reserve("B1/c@e1", 50, 100)
+    assert ledger.reserve("B1/c@e1", 40, 100) and ledger.resident_bytes() == 100
+    ledger.published("B1/b@e1", 60)
+    assert ledger.is_published("B1/b@e1") and not ledger.is_published("B1/c@e1")
+    assert not StreamLedger(ledger.r, 2).is_published("B1/b@e2")
+
+
+def test_status_shows_published_acked_resident_and_the_trainers_rate(redis_url: str) -> None:
+    ledger = StreamLedger(connect(redis_url), 1)
+    for i in range(4):
+        assert ledger.reserve(f"B1/s{i}@e1", 1 << 20, 8 << 20)
+        ledger.published(f"B1/s{i}@e1", 1 << 20)
+    ledger.acked({"B1/s0@e1", "B1/s1@e1", "B1/s2@e1"})
+    ledger.r.hset(ledger.acked_key, "B1/s0@e1", 0.0)  # acked long ago: out of the window
+    assert status_lines(ledger.r, 8 << 20) == [
+        "stream epoch 1: 4 published, 3 acknowledged, 1.0 MiB resident of 8.0 MiB "
+        "(stream_resident_bytes); trainer 0.03 samples/s over the last 60 s"]
+
+
+def test_a_shard_done_in_one_epoch_is_to_do_in_the_next() -> None:
+    files = SimpleNamespace(states_to="files", stream_epoch=1)
+    assert done_version("abc", files) == "abc"
+    one, two = (done_version("abc", SimpleNamespace(states_to="stream", stream_epoch=e))
+                for e in (1, 2))
+    assert one == "abc@e1" and two == "abc@e2"
