@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_until, write_jsonl
+from conftest import wait_until
 from fakes import FakePublisher, StandInConsumer, stream_tensors
 from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 
 from datagen.extraction.extractor import ExtractionConfig, Extractor
 from datagen.generation.ledger import connect
-from datagen.generation.records import pack_logprobs
 from datagen.stream.ledger import StreamLedger
 from datagen.stream.sink import StreamSink
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "extraction"))
-from test_integrity import AUX, VOCAB, generated, save_captured  # noqa: E402
+from test_integrity import AUX, VOCAB, captured_shard  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -42,16 +41,7 @@ def test_captured_states_are_checked_published_once_and_freed(
         model: Path, tmp_path: Path, redis_url: str) -> None:
     # Given: three captured samples, the second's states planted one position late
     run = tmp_path / "run"
-    recs = []
-    for idx, prompt in enumerate([[1, 5, 9], [2, 7, 7, 30, 4], [3, 100]]):
-        output, lps, states = generated(model, prompt, 12)
-        if idx == 1:
-            states["hidden_state"] = torch.roll(states["hidden_state"], 1, 0).contiguous()
-        save_captured(run / "states" / f"r{idx}.safetensors", states)
-        recs.append({"idx": idx, "id": f"s{idx}", "dataset": "B1", "prompt_ids": prompt,
-                     "output_ids": output, "states": f"states/r{idx}.safetensors",
-                     "output_logprobs": pack_logprobs(lps)})
-    shard = write_jsonl(tmp_path / "shard.jsonl", recs)
+    shard = captured_shard(model, tmp_path, run)
     with Extractor(config(model, run, tmp_path / "files", keep_captured_states=True)) as ex:
         assert ex.run_shard(shard).written == 2
     files = {i: torch.load(next((tmp_path / "files").rglob(f"data_{i}.ckpt")),
