@@ -39,6 +39,7 @@ from datagen.generation.records import (
     records_dir,
 )
 from datagen.servers import capture
+from datagen.stream import ledger as stream_ledger
 from datagen.training import draft_config, handoff, training_set
 from datagen.training.text_rows import TextRows
 
@@ -201,6 +202,10 @@ def _hand_off(settings: Settings, shards: list[xlm.ShardState], code: int) -> in
     if code:
         print("SpecForge handoff not written: extraction is incomplete")
         return code
+    if settings.states_to == "stream":  # the consumer trained from the stream: no files
+        ledger = stream_ledger.StreamLedger(_ledger(settings).r, settings.stream_epoch)
+        print(stream_ledger.describe(ledger.counts(), settings.stream_resident_bytes))
+        return 0
     return write_handoff(settings, shards)
 
 

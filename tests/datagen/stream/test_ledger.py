@@ -47,3 +47,18 @@ def test_a_shard_done_in_one_epoch_is_to_do_in_the_next() -> None:
     one, two = (done_version("abc", SimpleNamespace(states_to="stream", stream_epoch=e))
                 for e in (1, 2))
     assert one == "abc@e1" and two == "abc@e2"
+
+
+def test_datagen_status_prints_each_streamed_epoch(redis_url: str, tmp_path, monkeypatch,
+                                                   capsys) -> None:
+    from cli.main import main
+
+    ledger = StreamLedger(connect(redis_url), 2)
+    assert ledger.reserve("B1/a@e2", 3 << 20, 8 << 20)
+    ledger.published("B1/a@e2", 3 << 20)
+    monkeypatch.setenv("DATAGEN_REDIS_URL", redis_url)
+    monkeypatch.setenv("DATAGEN_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("DATAGEN_STREAM_RESIDENT_BYTES", str(8 << 20))
+    assert main(["status"]) == 0
+    assert ("stream epoch 2: 1 published, 0 acknowledged, 3.0 MiB resident of 8.0 MiB"
+            in capsys.readouterr().out)
