@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from datagen.errors import EngineLost, StorageError
+from datagen.errors import EngineLost, StorageError, StreamUnavailable
 from datagen.extraction import backends, tolerance
 from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.hf import (
@@ -551,7 +551,7 @@ class Extractor:
         lost: list[BaseException] = []
         for s, fut in run.pending:
             exc = fut.exception()
-            if isinstance(exc, EngineLost):
+            if isinstance(exc, EngineLost | StreamUnavailable):  # the shard is retried
                 lost.append(exc)
             elif exc is None:
                 run.result.written += 1

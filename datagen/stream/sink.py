@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from datagen.errors import ConsumerStopped
+from datagen.errors import ConsumerStopped, StreamUnavailable
 from datagen.stream.ledger import StreamLedger
 
 if TYPE_CHECKING:
@@ -73,7 +73,11 @@ class StreamSink:
         need = stream_bytes(tensors)
         with self._lock:
             self._wait_for_room(sid, need)
-            size = self.publisher.put(sid, tensors)
+            try:
+                size = self.publisher.put(sid, tensors)
+            except Exception as exc:  # the plane's fault, not the sample's: retry the shard
+                raise StreamUnavailable(f"put of {sid} into the feature store failed: "
+                                        f"{type(exc).__name__}: {exc}") from exc
             if size > need:
                 log.warning("sample %s holds %d bytes in the store, %d were reserved", sid,
                             size, need)

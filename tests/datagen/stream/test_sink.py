@@ -224,3 +224,37 @@ def test_a_gpu_worker_killed_between_put_and_ledger_is_trained_once_per_sample(
     assert sorted(ids) == sorted(f"B1/s{i}@e1" for i in range(N)) and hung in ids
     assert committed == N
     assert StreamLedger(connect(redis_url), 1).published_ids() == set(ids)
+
+
+def test_a_failed_put_or_a_stopped_consumer_retries_the_shard_and_dead_letters_nothing(
+        model: Path, shard: Path, tmp_path: Path, redis_url: str) -> None:
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    from datagen.errors import ConsumerStopped, StreamUnavailable
+
+    store = LocalFeatureStore("consumer")
+    with StandInConsumer(tmp_path / "plane", store, auto_ack=False) as consumer:
+        # Given: a store that fails its 3rd put
+        sink = sink_for(tmp_path, redis_url, consumer)
+        put, calls = sink.publisher.put, []
+
+        def failing(sid: str, tensors: dict) -> int:
+            calls.append(sid)
+            if len(calls) == 3:
+                raise ConnectionError("segment holder gone")
+            return put(sid, tensors)
+
+        sink.publisher.put = failing
+        # When/Then: the shard fails as a whole (retried), not the sample
+        with pytest.raises(StreamUnavailable, match="segment holder gone"):
+            streamed(model, tmp_path / "s", shard, sink)
+        published = StreamLedger(connect(redis_url), 1).published_ids()
+        assert len(published) == N - 1 and calls[2] not in published
+
+        # Given: a consumer that stopped while the store is full (epoch 2: one sample fills it)
+        (tmp_path / "plane" / "refs.jsonl.consumer_done").write_text("")
+        full = sink_for(tmp_path, redis_url, consumer, epoch=2, bound=1)
+        # When/Then: the wait ends with a retryable error instead of waiting for ever
+        with pytest.raises(ConsumerStopped, match="consumer stopped"):
+            streamed(model, tmp_path / "s", shard, full, epoch=2)
+        assert len(StreamLedger(connect(redis_url), 2).published_ids()) == 1
