@@ -183,6 +183,8 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     need = 0 if settings.states_to == "stream" else check_disk(
         out, sum(s.tokens for s in todo), hidden, DTYPE_BYTES[settings.extract_dtype],
         override=args.force)
+    if settings.states_to == "stream":
+        stream_ledger.ask_epoch(xl.r, settings.stream_epoch)
     send = xlm.nowhere(todo, xl, EXTRACT_TASK)
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)

@@ -155,6 +155,8 @@ EXTRACT_REAPER_LOCK = EXTRACT_PREFIX + "reaper_lock"
 STREAM_PREFIX = PREFIX + "stream:"
 # SET of the epochs that have streamed anything.
 STREAM_EPOCHS = STREAM_PREFIX + "epochs"
+# STRING: the epoch the last `datagen extract` asked for; a gpu worker of another refuses.
+STREAM_ASKED_EPOCH = STREAM_PREFIX + "asked_epoch"
 
 
 def stream_reserved(epoch: int) -> str:

@@ -26,7 +26,7 @@ from datagen.celery_app import EXTRACT_TASK
 from datagen.errors import BadInput
 from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger, done_version
 from datagen.extraction.tally import DEAD_LETTERS
-from datagen.stream.ledger import stream_dir
+from datagen.stream.ledger import require_epoch, stream_dir
 from datagen.training.training_set import extraction_dir
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,8 @@ def run(settings: Settings, xl: ExtractionLedger, extractor: Callable[[], Any],
         raise BadInput(f"shard {shard!r} is not a path inside the output folder")
     path = Path(settings.output_dir) / shard
     sha = done_version(file_sha256(path), settings)
+    if settings.states_to == "stream":
+        require_epoch(xl.r, settings.stream_epoch)
     if xl.is_done(shard, sha):
         xl.settle(shard)  # a late copy of its message: its entry must not send it again
         return {"status": "done before"}

@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from datagen import keys
+from datagen.errors import StreamUnavailable
 
 RATE_WINDOW_S = 60.0  # the trainer's rate: acks over the last minute
 
@@ -96,6 +97,22 @@ class StreamLedger:
         return StreamCounts(self.epoch, int(self.r.hlen(self.published_key)),
                             int(self.r.hlen(self.acked_key)), self.resident_bytes(),
                             recent / RATE_WINDOW_S)
+
+
+def ask_epoch(client: redis.Redis, epoch: int) -> None:
+    """`datagen extract` says which epoch it streams (the gpu workers check theirs)."""
+    client.set(keys.STREAM_ASKED_EPOCH, epoch)
+
+
+def require_epoch(client: redis.Redis, epoch: int) -> None:
+    """A gpu worker whose stream_epoch is not the one `datagen extract` asked for would mark
+    the shards done for the wrong epoch: refuse the shard (retried, then dead-lettered with
+    this reason) until it runs with the same value."""
+    asked = client.get(keys.STREAM_ASKED_EPOCH)
+    if asked is not None and int(asked) != epoch:
+        raise StreamUnavailable(f"this gpu worker streams epoch {epoch} (stream_epoch) but "
+                                f"`datagen extract` asked for epoch {int(asked)}: restart the "
+                                f"gpu workers with stream_epoch = {int(asked)}")
 
 
 def epochs(client: redis.Redis) -> list[int]:

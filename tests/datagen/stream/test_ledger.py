@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from datagen.extraction.ledger import done_version
 from datagen.generation.ledger import connect
 from datagen.stream.ledger import StreamLedger, status_lines
@@ -62,3 +64,16 @@ def test_datagen_status_prints_each_streamed_epoch(redis_url: str, tmp_path, mon
     assert main(["status"]) == 0
     assert ("stream epoch 2: 1 published, 0 acknowledged, 3.0 MiB resident of 8.0 MiB"
             in capsys.readouterr().out)
+
+
+def test_a_gpu_worker_of_another_epoch_than_extract_asked_refuses_the_shard(
+        redis_url: str) -> None:
+    from datagen.errors import StreamUnavailable
+    from datagen.stream.ledger import ask_epoch, require_epoch
+
+    r = connect(redis_url)
+    require_epoch(r, 1)  # nothing asked yet: the worker's own setting
+    ask_epoch(r, 2)
+    require_epoch(r, 2)
+    with pytest.raises(StreamUnavailable, match="restart the gpu workers with stream_epoch = 2"):
+        require_epoch(r, 1)
