@@ -29,6 +29,7 @@ from datagen.generation.liveness import sweep
 from datagen.generation.merge import datasets_on_disk
 from datagen.operations import dead as dead_mod
 from datagen.operations import status as status_mod
+from datagen.stream import ledger as stream_ledger
 from datagen.training import handoff
 from datagen.training.training_set import extraction_dir
 
@@ -68,6 +69,8 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         checked = tally.saved(extraction_dir(settings))
         if checked:
             print(tally.describe(checked))
+        for line in stream_ledger.status_lines(ledger.r, settings.stream_resident_bytes):
+            print(line)
         return 0
     follow(ledger, args.interval, until_finished=False)
     return 0

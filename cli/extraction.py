@@ -40,6 +40,7 @@ from datagen.generation.records import (
     records_dir,
 )
 from datagen.servers import capture
+from datagen.stream import ledger as stream_ledger
 from datagen.training import draft_config, handoff, training_set
 from datagen.training.text_rows import TextRows
 
@@ -168,7 +169,7 @@ def gpu_replica(settings: Settings, args: argparse.Namespace) -> int | None:
 def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     require_model_path(settings)
     manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
-    shards = xlm.shard_states(manifest)
+    shards = xlm.shard_states(manifest, settings)
     xl = xlm.ExtractionLedger(_ledger(settings).r)
     done, dead, todo = xlm.split_shards(shards, xl)
     out = training_set.extraction_dir(settings)
@@ -180,15 +181,19 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
         return _hand_off(settings, shards, _finished(xl, shards, done, dead, 0.0, out))
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
-    need = check_disk(out, sum(s.tokens for s in todo), hidden,
-                      DTYPE_BYTES[settings.extract_dtype], override=args.force)
+    need = 0 if settings.states_to == "stream" else check_disk(
+        out, sum(s.tokens for s in todo), hidden, DTYPE_BYTES[settings.extract_dtype],
+        override=args.force)
+    if settings.states_to == "stream":
+        stream_ledger.ask_epoch(xl.r, settings.stream_epoch)
     send = xlm.nowhere(todo, xl, EXTRACT_TASK)
     xl.forget_dead(s.path for s in send)
     app = make_app(settings)
     runner.enqueue(app, xl, [s.path for s in send])
+    where = (f"streamed into SpecForge (epoch {settings.stream_epoch}), no files"
+             if settings.states_to == "stream" else f"~{need / 1e9:,.1f} GB to write under {out}")
     print(f"{len(send)} shards enqueued, {len(todo) - len(send)} already queued or running, "
-          f"{len(done)} done of {len(shards)}; ~{need / 1e9:,.1f} GB to write under {out}",
-          flush=True)
+          f"{len(done)} done of {len(shards)}; {where}", flush=True)
     if args.no_wait:
         return 0
     return _hand_off(settings, shards, follow_extraction(xl, app, shards, args.interval,
@@ -200,6 +205,10 @@ def _hand_off(settings: Settings, shards: list[xlm.ShardState], code: int) -> in
     if code:
         print("SpecForge handoff not written: extraction is incomplete")
         return code
+    if settings.states_to == "stream":  # the consumer trained from the stream: no files
+        ledger = stream_ledger.StreamLedger(_ledger(settings).r, settings.stream_epoch)
+        print(stream_ledger.describe(ledger.counts(), settings.stream_resident_bytes))
+        return 0
     return write_handoff(settings, shards)
 
 

@@ -42,6 +42,7 @@ RUN_FLAGS: dict[str, tuple[str, Any]] = {
     "--token-budget": ("token_budget", int),
     "--max-samples": ("max_samples", int),
     "--budget-counts": ("budget_counts", str),
+    "--epoch": ("stream_epoch", int),
 }
 ALL_FLAGS = tuple(RUN_FLAGS)
 LEDGER_FLAGS = ("--redis-url",)
@@ -57,7 +58,7 @@ COMMAND_FLAGS: dict[str, tuple[str, ...]] = {
     "merge": (*LEDGER_FLAGS, "--output-dir"),
     "plot": (*LEDGER_FLAGS, "--output-dir", "--token-budget", "--budget-counts"),
     "prepare": (*LEDGER_FLAGS, "--output-dir", "--tokenizer"),
-    "extract": (*LEDGER_FLAGS, "--output-dir"),
+    "extract": (*LEDGER_FLAGS, "--output-dir", "--epoch"),
     "handoff": (*LEDGER_FLAGS, "--output-dir"),
     "estimate": (*LEDGER_FLAGS, "--output-dir", "--token-budget"),
     "calibrate": ("--output-dir",),

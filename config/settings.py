@@ -31,6 +31,7 @@ EXTRACT_DTYPES = ("bfloat16", "float16", "float32")
 EXTRACT_OVERLONG = ("truncate", "skip")
 EXTRACT_BACKENDS = ("hf", "hf-tp", "sglang", "vllm", "captured")  # datagen/extraction/backends
 SERVER_KINDS = ("sglang", "vllm", "auto")  # datagen/servers
+STATES_TO = ("files", "stream")  # datagen/extraction/extractor.py, datagen/stream/sink.py
 
 
 RENAMED = {"extract_max_length_tokens": "train_max_length"}
@@ -189,6 +190,18 @@ class Settings:
     calibration_path: str = ""  # "": <output_dir>/calibration.json
     draft_vocab_size: int = 32000  # draft vocabulary of vocab_mapping.pt (capped at the target's)
 
+    # States straight into SpecForge (issue 45): "stream" puts each checked sample into the
+    # running consumer's feature store and publishes its ref (datagen/stream/sink.py) instead
+    # of writing a .ckpt file; nothing is dropped: extraction waits while the bytes the
+    # trainer has not acknowledged would pass stream_resident_bytes. Every process of a run
+    # (the gpu workers and `datagen extract`) reads the same values.
+    states_to: str = "files"  # "files": .ckpt files; "stream": SpecForge's data plane
+    stream_dir: str = ""  # "": <output_dir>/stream (the plane's plane.json and channel)
+    stream_resident_bytes: int = 8 << 30  # bound on streamed bytes the trainer has not acked
+    # Each epoch recomputes the states from the records by prefill in a fresh seeded order;
+    # sample ids end in @e<epoch>, so the consumer trains each sample once per epoch.
+    stream_epoch: int = 1  # the epoch `datagen extract` streams (2: a second pass, prefill)
+
     def __post_init__(self) -> None:
         _check_types(self)
         _positive(self, "short_concurrency", "long_concurrency", "short_max_tokens",
@@ -269,9 +282,23 @@ class Settings:
             raise SettingsError(f"vllm_start_timeout_s: {self.vllm_start_timeout_s!r} must be > 0")
         if self.replica_timeout_s <= 0:
             raise SettingsError(f"replica_timeout_s: {self.replica_timeout_s!r} must be > 0")
+        self._check_stream()
         if self.aux_layer_ids is not None:
             # frozen: the one normalisation, from the environment's string to a list
             object.__setattr__(self, "aux_layer_ids", _layer_ids(self.aux_layer_ids))
+
+    def _check_stream(self) -> None:
+        if self.states_to not in STATES_TO:
+            raise SettingsError(f"states_to: {self.states_to!r} is not one of {STATES_TO}")
+        _positive(self, "stream_resident_bytes", "stream_epoch")
+        if self.stream_epoch > 1 and self.states_to != "stream":
+            raise SettingsError(f"stream_epoch: {self.stream_epoch!r} needs states_to = "
+                                "'stream' (the file build writes one set of files)")
+        if self.stream_epoch > 1 and self.extract_backend == "captured":
+            raise SettingsError(f"stream_epoch: {self.stream_epoch!r} with extract_backend = "
+                                "'captured': the captured states are freed once published; "
+                                "a later epoch recomputes them by prefill (hf, hf-tp, sglang "
+                                "or vllm)")
 
     def budget_for(self, dataset: str) -> int:
         return self.budgets.get(dataset, self.token_budget)

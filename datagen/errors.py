@@ -6,6 +6,8 @@
     │   │   └── CaptureFailed         the server answered, its states file did not come
     │   │                             whole (capture_states): the sample is run again
     │   ├── LedgerUnavailable     Redis down or restarting
+    │   ├── StreamUnavailable     a put into SpecForge's data plane failed (the shard is retried)
+    │   │   └── ConsumerStopped       the SpecForge consumer a stream waits on ended or failed
     │   └── EngineLost            a gpu worker's model engine stopped (the shard is retried)
     └── PermanentError        retrying cannot help: dead-letter with the reason
         ├── BadRequest            SGLang answered 400 (over-long input, bad parameter)
@@ -33,6 +35,14 @@ class CaptureFailed(ServerUnavailable):
 
 
 class LedgerUnavailable(RetryableError):
+    pass
+
+
+class StreamUnavailable(RetryableError):
+    pass
+
+
+class ConsumerStopped(StreamUnavailable):
     pass
 
 

@@ -149,3 +149,32 @@ EXTRACT_LEASE = EXTRACT_PREFIX + "lease:"
 EXTRACT_RUNNING = EXTRACT_PREFIX + "running"
 # STRING owner id with a TTL of one second: the one gpu worker reaping stale shards now.
 EXTRACT_REAPER_LOCK = EXTRACT_PREFIX + "reaper_lock"
+
+# States streamed into SpecForge (datagen/stream/ledger.py), one set of keys per epoch; nothing
+# expires: they are the epoch's exactly-once record (`datagen status` reads them).
+STREAM_PREFIX = PREFIX + "stream:"
+# SET of the epochs that have streamed anything.
+STREAM_EPOCHS = STREAM_PREFIX + "epochs"
+# STRING: the epoch the last `datagen extract` asked for; a gpu worker of another refuses.
+STREAM_ASKED_EPOCH = STREAM_PREFIX + "asked_epoch"
+
+
+def stream_reserved(epoch: int) -> str:
+    """HASH sample id -> bytes: room taken under stream_resident_bytes before its put (a put
+    that a crash cut short keeps its room until the re-run puts the same id again)."""
+    return f"{STREAM_PREFIX}{epoch}:reserved"
+
+
+def stream_published(epoch: int) -> str:
+    """HASH sample id -> bytes: put into the store and its ref published (the resume skips it)."""
+    return f"{STREAM_PREFIX}{epoch}:published"
+
+
+def stream_acked(epoch: int) -> str:
+    """HASH sample id -> the Redis time first seen acknowledged in the consumer's SQLite."""
+    return f"{STREAM_PREFIX}{epoch}:acked"
+
+
+def stream_totals(epoch: int) -> str:
+    """HASH reserved_bytes, acked_bytes: resident bytes = reserved_bytes - acked_bytes."""
+    return f"{STREAM_PREFIX}{epoch}:totals"

@@ -18,6 +18,7 @@ forward ends the replica instead (replica.py): the ranks cannot skip a row in st
 from __future__ import annotations
 
 import logging
+import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from datagen.errors import EngineLost, StorageError
+from datagen.errors import EngineLost, StorageError, StreamUnavailable
 from datagen.extraction import backends, tolerance
 from datagen.extraction.backends.base import text_config
 from datagen.extraction.backends.hf import (
@@ -63,6 +64,7 @@ from datagen.extraction.integrity import (
 from datagen.extraction.manifest import Manifest, check_metadata, load_done, shard_name
 from datagen.extraction.pipeline import AsyncWriter, Countdown, HostStaging, Staged
 from datagen.extraction.recapture import Recapture
+from datagen.stream.sink import StreamSink, open_sink
 from datagen.training import vocab_mapping as vm
 
 __all__ = ["ExtractionConfig", "Extractor", "SampleFailure", "ShardResult", "check_disk"]
@@ -71,6 +73,7 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]  # (samples handled so far, samples in shard)
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+STATES_TO = ("files", "stream")
 
 
 @dataclass(frozen=True)
@@ -101,14 +104,21 @@ class ExtractionConfig:
     server_url: str = ""         # the generation server (recapture_share)
     api_key: str | None = None
     keep_captured_states: bool = False  # captured: keep each file its row was built from
+    states_to: str = "files"     # "stream": each sample into SpecForge's feature store (sink.py)
+    stream_dir: str = ""         # the plane's folder (plane.json) when states_to = "stream"
+    stream_resident_bytes: int = 8 << 30  # the stream's bound on bytes not yet acknowledged
+    epoch: int = 1               # the stream's epoch: sample ids end in @e<epoch>
+    shuffle_seed: int = 0        # epochs after the first: their batches' order is seeded by it
+    redis_url: str = ""          # the stream's ledger (states_to = "stream")
 
     def __post_init__(self) -> None:
         choices = {"dtype": DTYPES, "overlong": ("truncate", "skip"), "backend": backends.NAMES,
-                   "server_dtype": ("auto", *tolerance.DTYPES)}
+                   "server_dtype": ("auto", *tolerance.DTYPES), "states_to": STATES_TO}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {list(allowed)}")
-        for name in ("max_length", "batch_tokens", "writer_threads", "max_pending_writes"):
+        for name in ("max_length", "batch_tokens", "writer_threads", "max_pending_writes",
+                     "stream_resident_bytes", "epoch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be >= 1")
 
@@ -156,10 +166,14 @@ class _ShardRun:
 
 class Extractor:
     def __init__(self, cfg: ExtractionConfig, model: Any | None = None,
-                 backend: Any | None = None):
+                 backend: Any | None = None, sink: StreamSink | None = None):
         """The model comes from ``backend`` (a base.Backend, e.g. a replica's leader), else
-        ``model`` (already built; the `hf` backend wraps it), else cfg.backend loads it."""
+        ``model`` (already built; the `hf` backend wraps it), else cfg.backend loads it.
+        With states_to = "stream" the states go to ``sink`` (else the plane's, opened here)."""
         self.cfg = cfg
+        if sink is None and cfg.states_to == "stream":
+            sink = open_sink(cfg.stream_dir, cfg.redis_url, cfg.epoch, cfg.stream_resident_bytes)
+        self.sink = sink
         self.device = resolve_device(cfg.device)
         if model is not None and cfg.device == "auto":  # an already-built model stays put
             self.device = next(model.parameters()).device
@@ -267,6 +281,8 @@ class Extractor:
         return 0
 
     def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
         self.writer.close()
         self.runner.close()
 
@@ -332,16 +348,18 @@ class Extractor:
         todo = self._plan(shard_path, out_dir, run)
         if todo:
             check_metadata(out_dir, self.metadata())
-            run.manifest = Manifest(out_dir, shard_name(shard_path))
+            if self.sink is None:  # a stream's done list is its ledger
+                run.manifest = Manifest(out_dir, shard_name(shard_path))
             try:
-                for batch in self._batches(todo):
+                for batch in self._batches(todo, shard_path):
                     self._run_batch(batch, run)
                     run.handled += len(batch)
                     if progress is not None:
                         progress(run.handled, run.total)
             finally:
                 self._collect(run)
-                run.manifest.close()
+                if run.manifest is not None:
+                    run.manifest.close()
         self._write_counts(out_dir, shard_path, run)
         run.result.seconds = time.perf_counter() - t0
         log.info("shard %s: %d written (%d tokens), %d done before, %d overlong, %d failed, "
@@ -363,7 +381,7 @@ class Extractor:
     def _plan(self, shard_path: str | Path, out_dir: Path, run: _ShardRun) -> list[Sample]:
         """Validate, drop what is done, clean temps of the rest, check the disk."""
         res, cfg = run.result, self.cfg
-        done = load_done(out_dir)
+        done = self._done(out_dir)
         todo: list[Sample] = []
         for line, rec in read_shard(shard_path):
             s = prepare(line, rec, cfg.max_length, cfg.overlong, self.vocab_size,
@@ -374,10 +392,10 @@ class Extractor:
                     res.overlong_ids.append(s.id)
                 else:
                     res.failures.append(SampleFailure(s.idx, s.id, s.reason))
-            elif s.key in done and (out_dir / done[s.key]).is_file():
+            elif self._done_before(s, done, out_dir):
                 res.skipped_done += 1
-                run.kept.append((done[s.key], s))
-                self._recorded(s, done[s.key])  # freed here if a crash came before
+                run.kept.append((self._name(s, done), s))
+                self._recorded(s, self._name(s, done))  # freed here if a crash came before
             else:
                 res.truncated += s.truncated
                 todo.append(s)
@@ -387,13 +405,39 @@ class Extractor:
             removed = remove_stale_temps(out_dir, (s.idx for s in todo))
             if removed:
                 log.warning("removed %d temp files left by an interrupted run", removed)
-            if cfg.check_free_space:
+            if cfg.check_free_space and self.sink is None:
                 check_disk(out_dir, sum(s.length for s in todo), self.hidden_size,
                            DTYPE_BYTES[cfg.dtype], override=cfg.force)
         return todo
 
-    def _batches(self, samples: list[Sample]) -> list[list[Sample]]:
-        return length_batches(samples, self.cfg.batch_tokens)
+    def _done(self, out_dir: Path) -> dict[str, str]:
+        """Sample key -> its file (the manifest), or a stream's published ids -> themselves."""
+        if self.sink is None:
+            return load_done(out_dir)
+        return {sid: sid for sid in self.sink.ledger.published_ids()}
+
+    def _name(self, s: Sample, done: dict[str, str] | None = None) -> str:
+        """Where the sample's states went: its file, or its stream id."""
+        if self.sink is not None:
+            return self.sink.sample_id(s.dataset, s.id)
+        return done[s.key] if done is not None and s.key in done else relative_path(s.idx)
+
+    def _done_before(self, s: Sample, done: dict[str, str], out_dir: Path) -> bool:
+        if self.sink is not None:
+            return self._name(s) in done
+        return s.key in done and (out_dir / done[s.key]).is_file()
+
+    def _batches(self, samples: list[Sample], shard_path: str | Path = "") -> list[list[Sample]]:
+        """Longest first; an epoch after the first in an order seeded by the epoch and the
+        shard, so the trainer does not see the samples in the first epoch's order."""
+        batches = length_batches(samples, self.cfg.batch_tokens)
+        if self.cfg.epoch > 1:
+            seed = f"{self.cfg.shuffle_seed}:{self.cfg.epoch}:{shard_name(shard_path)}"
+            rng = random.Random(seed)
+            rng.shuffle(batches)
+            for batch in batches:
+                rng.shuffle(batch)
+        return batches
 
     def _run_batch(self, batch: list[Sample], run: _ShardRun) -> None:
         if self.writes_files:
@@ -444,10 +488,16 @@ class Extractor:
         finally:
             countdown.done()
         checked = self.check(s, aux[0], final[0])
-        rel = relative_path(s.idx)
-        size = save_atomic(Path(self.cfg.output_dir) / rel, sample_tensors(s, aux, final))
+        rel = self._name(s)
+        size = self._store(s, rel, sample_tensors(s, aux, final))
         self._record(run, s, rel, checked)
         return size
+
+    def _store(self, s: Sample, name: str, tensors: dict[str, torch.Tensor]) -> int:
+        """The checked sample's tensors into its file, or into the stream (sink.py)."""
+        if self.sink is not None:
+            return self.sink.put(name, tensors)
+        return save_atomic(Path(self.cfg.output_dir) / name, tensors)
 
     @staticmethod
     def _record(run: _ShardRun, s: Sample, rel: str, checked: Checked | None) -> None:
@@ -459,19 +509,31 @@ class Extractor:
             if checked.recaptured:
                 entry["recaptured"] = True
             run.checks.append(checked)
-        assert run.manifest is not None
-        run.manifest.append(entry)
+        if run.manifest is not None:  # a stream's record is its ledger (sink.py)
+            run.manifest.append(entry)
 
     def _engine_sample(self, s: Sample, run: _ShardRun) -> int:
         """Runs in a request thread: the engine (or the captured file's reader) writes the
         file, then it is recorded."""
-        rel = relative_path(s.idx)
+        path = Path(self.cfg.output_dir) / relative_path(s.idx)
         found: list[Checked | None] = []
         size = self.runner.extract(
-            s, sample_loss_mask(s), Path(self.cfg.output_dir) / rel,
+            s, sample_loss_mask(s), path,
             lambda aux, final: found.append(self.check(s, aux, final)))
+        if self.sink is not None:
+            size = self._publish_file(s, path)
+        rel = self._name(s)
         self._record(run, s, rel, found[0] if found else None)
         self._recorded(s, rel)
+        return size
+
+    def _publish_file(self, s: Sample, path: Path) -> int:
+        """A stream's sample the engine wrote (checked): read, put, deleted. It lives on
+        disk only until it is published."""
+        assert self.sink is not None
+        tensors = torch.load(path, weights_only=True)
+        size = self.sink.put(self._name(s), tensors)
+        path.unlink()
         return size
 
     def _recorded(self, s: Sample, rel: str) -> None:
@@ -489,11 +551,11 @@ class Extractor:
         lost: list[BaseException] = []
         for s, fut in run.pending:
             exc = fut.exception()
-            if isinstance(exc, EngineLost):
+            if isinstance(exc, EngineLost | StreamUnavailable):  # the shard is retried
                 lost.append(exc)
             elif exc is None:
                 run.result.written += 1
-                run.kept.append((relative_path(s.idx), s))
+                run.kept.append((self._name(s), s))
                 run.result.tokens += s.length
                 run.result.bytes += fut.result()
             elif isinstance(exc, OSError):

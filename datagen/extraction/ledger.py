@@ -266,8 +266,17 @@ def _shard_of(raw: Any, task_name: str) -> str | None:
         return None
 
 
-def shard_states(manifest: dict[str, Any]) -> list[ShardState]:
-    return [ShardState(s["path"], int(s["samples"]), int(s["tokens"]), s["sha256"])
+def done_version(sha256: str, settings: Any) -> str:
+    """What a shard's done entry must match: its content, and for a stream its epoch (each
+    epoch streams every shard again)."""
+    if settings.states_to == "stream":
+        return f"{sha256}@e{settings.stream_epoch}"
+    return sha256
+
+
+def shard_states(manifest: dict[str, Any], settings: Any = None) -> list[ShardState]:
+    return [ShardState(s["path"], int(s["samples"]), int(s["tokens"]),
+                       s["sha256"] if settings is None else done_version(s["sha256"], settings))
             for s in manifest["shards"]]
 
 

@@ -312,7 +312,7 @@ def _calibrate(settings: Settings, cfg: Any, leader: Leader) -> int:
 
     seq_len, batches = (int(x) for x in os.environ[CALIBRATE_ENV].split(","))
     cfg = dataclasses.replace(cfg, max_length=max(seq_len, 1), batch_tokens=max(seq_len, 1),
-                              check_free_space=False)
+                              check_free_space=False, states_to="files")  # no sink to time
     with Extractor(cfg, backend=leader) as ex:  # closing it stops the other ranks
         rate = ex.measure_forward(seq_len, batches)
     device = (torch.cuda.get_device_name() if leader.device.type == "cuda" else "cpu")

@@ -24,8 +24,9 @@ from config.settings import Settings
 from datagen import keys
 from datagen.celery_app import EXTRACT_TASK
 from datagen.errors import BadInput
-from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger
+from datagen.extraction.ledger import GPU_QUEUE, ExtractionLedger, done_version
 from datagen.extraction.tally import DEAD_LETTERS
+from datagen.stream.ledger import require_epoch, stream_dir
 from datagen.training.training_set import extraction_dir
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ def extraction_config(settings: Settings) -> Any:
         check_atol_nats=settings.check_atol_nats, server_dtype=settings.server_dtype,
         recapture_share=settings.recapture_share, server_url=settings.server_url,
         api_key=settings.api_key,
-        keep_captured_states=settings.keep_captured_states)
+        keep_captured_states=settings.keep_captured_states,
+        states_to=settings.states_to, stream_dir=str(stream_dir(settings)),
+        stream_resident_bytes=settings.stream_resident_bytes, epoch=settings.stream_epoch,
+        shuffle_seed=settings.shuffle_seed, redis_url=settings.redis_url)
 
 
 def file_sha256(path: Path) -> str:
@@ -142,7 +146,9 @@ def run(settings: Settings, xl: ExtractionLedger, extractor: Callable[[], Any],
     if Path(shard).is_absolute() or ".." in Path(shard).parts:
         raise BadInput(f"shard {shard!r} is not a path inside the output folder")
     path = Path(settings.output_dir) / shard
-    sha = file_sha256(path)
+    sha = done_version(file_sha256(path), settings)
+    if settings.states_to == "stream":
+        require_epoch(xl.r, settings.stream_epoch)
     if xl.is_done(shard, sha):
         xl.settle(shard)  # a late copy of its message: its entry must not send it again
         return {"status": "done before"}

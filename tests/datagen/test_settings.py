@@ -75,3 +75,24 @@ def test_check_prompt_states_needs_check_states() -> None:
     with pytest.raises(SettingsError, match="check_prompt_states: true needs check_states"):
         load_settings(env={"DATAGEN_CHECK_PROMPT_STATES": "1", "DATAGEN_CHECK_STATES": "0"})
     assert load_settings(env={"DATAGEN_CHECK_PROMPT_STATES": "1"}).check_prompt_states
+
+
+def test_the_stream_settings_are_checked_and_reach_the_extraction() -> None:
+    from datagen.extraction.runner import extraction_config
+
+    with pytest.raises(SettingsError, match="states_to: 'disk' is not one of"):
+        load_settings(env={"DATAGEN_STATES_TO": "disk"})
+    with pytest.raises(SettingsError, match="stream_resident_bytes: 0 must be"):
+        load_settings(env={"DATAGEN_STREAM_RESIDENT_BYTES": "0"})
+    with pytest.raises(SettingsError, match="stream_epoch: 2 needs states_to = 'stream'"):
+        load_settings(env={"DATAGEN_STREAM_EPOCH": "2"})
+    with pytest.raises(SettingsError, match="stream_epoch: 2 with extract_backend = 'captured'"):
+        load_settings(env={"DATAGEN_STREAM_EPOCH": "2", "DATAGEN_STATES_TO": "stream",
+                           "DATAGEN_EXTRACT_BACKEND": "captured"})
+    settings = load_settings(env={"DATAGEN_STATES_TO": "stream", "DATAGEN_STREAM_EPOCH": "2",
+                                  "DATAGEN_STREAM_RESIDENT_BYTES": "1000",
+                                  "DATAGEN_OUTPUT_DIR": "/tmp/run"})
+    cfg = extraction_config(settings)
+    assert (cfg.states_to, cfg.epoch, cfg.stream_resident_bytes, cfg.stream_dir) == (
+        "stream", 2, 1000, "/tmp/run/stream")
+    assert cfg.redis_url == settings.redis_url

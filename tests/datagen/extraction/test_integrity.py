@@ -65,11 +65,9 @@ def test_logprobs_pack_into_a_record_compactly_and_back() -> None:
         unpack_logprobs("not base64!")
 
 
-def test_the_captured_backend_checks_each_file_and_dead_letters_an_off_by_one(
-        model: Path, tmp_path: Path) -> None:
-    # Given: three captured samples with the server's logprobs; the second's states are
-    # planted one position late (the states of position t stored at t + 1)
-    run = tmp_path / "run"
+def captured_shard(model: Path, tmp_path: Path, run: Path) -> Path:
+    """A shard of three samples captured under ``run``, the second's states one position
+    late (the states of position t stored at t + 1)."""
     recs = []
     for idx, prompt in enumerate([[1, 5, 9], [2, 7, 7, 30, 4], [3, 100]]):
         output, lps, states = generated(model, prompt, 12)
@@ -79,7 +77,15 @@ def test_the_captured_backend_checks_each_file_and_dead_letters_an_off_by_one(
         recs.append({"idx": idx, "id": f"s{idx}", "dataset": "B1", "prompt_ids": prompt,
                      "output_ids": output, "states": f"states/r{idx}.safetensors",
                      "output_logprobs": pack_logprobs(lps)})
-    shard = write_jsonl(tmp_path / "shard.jsonl", recs)
+    return write_jsonl(tmp_path / "shard.jsonl", recs)
+
+
+def test_the_captured_backend_checks_each_file_and_dead_letters_an_off_by_one(
+        model: Path, tmp_path: Path) -> None:
+    # Given: three captured samples with the server's logprobs; the second's states are
+    # planted one position late (the states of position t stored at t + 1)
+    run = tmp_path / "run"
+    shard = captured_shard(model, tmp_path, run)
     cfg = ExtractionConfig(model_path=str(model), output_dir=str(tmp_path / "hs"),
                            aux_layer_ids=AUX, dtype="float32", device="cpu", max_length=64,
                            backend="captured", run_dir=str(run), check_atol_nats=1e-3,
