@@ -21,7 +21,6 @@ from datagen.errors import PermanentError
 from datagen.extraction import ledger as xlm
 from datagen.extraction import runner, tally
 from datagen.extraction.estimate import (
-    DEFAULT_RESIDENT_BYTES,
     DTYPE_BYTES,
     PRESETS,
     check_disk,
@@ -336,12 +335,11 @@ def cmd_estimate(settings: Settings, args: argparse.Namespace) -> int:
 
 def _stream_bound(settings: Settings, args: argparse.Namespace) -> int | None:
     """The resident bound when the plan streams (--stream or states_to = "stream"), else None."""
-    streams = args.stream or getattr(settings, "states_to", "files") == "stream"
-    if not streams:
+    if not (args.stream or settings.states_to == "stream"):
         return None
     if args.resident_bytes is not None:
         return int(args.resident_bytes)
-    return int(getattr(settings, "stream_resident_bytes", DEFAULT_RESIDENT_BYTES))
+    return settings.stream_resident_bytes
 
 
 def _generation_lines(settings: Settings, args: argparse.Namespace, extracted: int,

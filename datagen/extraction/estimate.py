@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 N_AUX = 3
 ID_AND_MASK_BYTES = 16  # input_ids int64 + loss_mask int64
 CAPTURED_ID_BYTES = 8  # a captured file's input_ids int64 (the build step derives the mask)
-# the stream's bound when no setting gives one (the setting's default, stream_resident_bytes)
-DEFAULT_RESIDENT_BYTES = 8 * 2**30
 STREAM_ID_BYTES = 24  # a streamed sample's input_ids, loss_mask, attention_mask: int64 [1, T]
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # (hidden_size, num_hidden_layers) of targets planned for before their weights are at hand.
