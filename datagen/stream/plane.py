@@ -1,7 +1,7 @@
 """The Mooncake data plane a stream runs on: ``mooncake_master`` (with its HTTP metadata
 server) and a standalone segment holder (``mooncake_client``), on loopback, free ports.
 
-Stored bytes live in the segment of whoever mounted it and vanish with it (REFERENCE §12), so
+Stored bytes live in the segment of whoever mounted it and vanish with it, so
 the bytes are held by a process of their own, not by the producer: a gpu worker that dies
 leaves what it put readable until the consumer frees it. Both processes run in their own
 session (process group), and the plane writes ``<stream_dir>/plane.json`` (:class:`PlaneInfo`)

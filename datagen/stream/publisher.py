@@ -1,7 +1,7 @@
 """Puts one sample's states into the consumer's Mooncake feature store and publishes its ref on
 the consumer's StreamingRefChannel (``refs.jsonl``), with SpecForge 0.2.0's own classes.
 
-What the stock ``specforge train --role consumer`` takes (REFERENCE §12, read from its
+What the stock ``specforge train --role consumer`` takes (read from its
 source and run): refs with ``strategy = "eagle3"``, ``schema_version = 1``,
 ``metadata.generation`` (the store adds it), ``metadata.target_repr = "hidden_state"``; the
 stream's names differ from the ``.ckpt``'s: ``hidden_state`` is the file's
