@@ -224,6 +224,15 @@ class Plane:
         _stop(self.holder, kill=True)
         self.holder = None
 
+    def restart_holder(self, timeout_s: float = 120.0) -> PlaneInfo:
+        """A new holder after the old one died. The master keeps a dead holder's segment (and
+        sends puts to it, which fail) until its heartbeat ttl (mooncake_master --client_ttl,
+        10 s) unmounts it: the new holder starts once the master has let the old one go."""
+        self.kill_holder()
+        assert self.master is not None
+        self._wait(self.master, "master", timeout_s, lambda: self._capacity() == 0)
+        return self.start_holder(timeout_s)
+
     def stop(self) -> None:
         _stop(self.holder)
         _stop(self.master)

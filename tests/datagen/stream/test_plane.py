@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
+import torch
 
 from datagen.errors import BadInput
 from datagen.stream.plane import PLANE_NAME, Plane, PlaneInfo, key_count, metrics
@@ -42,3 +44,32 @@ def test_a_folder_without_a_plane_is_a_clear_error(tmp_path):
     (tmp_path / PLANE_NAME).write_text("{\"master_addr\": 1}")
     with pytest.raises(BadInput, match="not a plane description"):
         PlaneInfo.read(tmp_path)
+
+
+def test_a_restarted_holder_takes_new_puts_and_what_the_dead_one_held_is_gone(tmp_path):
+    """A SIGKILLed holder takes its bytes with it: a published sample cannot be read back;
+    once restarted (after the master unmounted the dead segment) puts and gets work again."""
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    from datagen.stream.publisher import Publisher
+
+    tensors = {"input_ids": torch.arange(5), "loss_mask": torch.ones(5, dtype=torch.int64),
+               "aux_hidden_state": torch.randn(1, 5, 12), "hidden_state": torch.randn(1, 5, 4)}
+    plane = Plane(tmp_path, segment_bytes=64 << 20)
+    with plane as info:
+        publisher = Publisher(info)
+        publisher.put("A1/a@e1", tensors)
+        old_pid = info.holder_pid
+        info = plane.restart_holder()
+        assert info.holder_pid != old_pid and PlaneInfo.read(tmp_path).holder_pid == info.holder_pid
+        assert key_count(info) == 0
+        reader = MooncakeFeatureStore(store_id=info.store_id, setup_kwargs=info.setup_kwargs())
+        from specforge.runtime.data_plane.ref_serialization import ref_from_dict
+
+        refs = [ref_from_dict(json.loads(x)) for x in open(info.channel_path, encoding="utf-8")]
+        with pytest.raises(KeyError):
+            reader.get(refs[0])
+        publisher.put("A1/b@e1", tensors)
+        refs = [ref_from_dict(json.loads(x)) for x in open(info.channel_path, encoding="utf-8")]
+        got, _ = reader.get(refs[1])
+        assert got["target"].equal(tensors["hidden_state"].bfloat16())
