@@ -9,15 +9,18 @@ import time
 from pathlib import Path
 
 from config.settings import Settings
+from datagen.errors import BadInput
 from datagen.stream import consumer as sc
+from datagen.stream.handoff import write_stream_handoff
 from datagen.stream.plane import SEGMENT_BYTES, Plane
 from datagen.training import handoff
 from datagen.training.training_set import extraction_dir
 
 
 def add_stream_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, required=True,
-                   help="samples a stream publishes per epoch (the consumer's horizon)")
+    p.add_argument("--samples", type=int,
+                   help="samples a stream publishes per epoch (the consumer's horizon; default:"
+                        " the prepared training set's, counted with the draft vocabulary)")
     p.add_argument("--epochs", type=int, default=1, help="epochs of them (default 1)")
     p.add_argument("--stream-dir", help="folder of the plane and the consumer's channel "
                                         "(default <output_dir>/stream)")
@@ -33,10 +36,18 @@ def add_stream_flags(p: argparse.ArgumentParser) -> None:
 
 def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
     run_config = Path(args.handoff or extraction_dir(settings) / handoff.RUN_CONFIG_NAME)
+    samples = args.samples
+    if not args.handoff and (samples is None or not run_config.exists()):
+        # no states yet: the draft vocabulary from the training set's ids
+        made_now, counted = write_stream_handoff(settings)
+        print(handoff.describe(made_now), flush=True)
+        run_config, samples = made_now.run_config, samples or counted
+    if samples is None:
+        raise BadInput("--samples: needed with --handoff (the samples an epoch streams)")
     made = sc.read_handoff_config(run_config)  # before anything starts: a clear error
     stream_dir = Path(args.stream_dir or Path(settings.output_dir) / "stream")
     with Plane(stream_dir, segment_bytes=args.segment_mb << 20) as info:
-        body = sc.consumer_config(made, info, args.samples, args.epochs, cpu=args.cpu)
+        body = sc.consumer_config(made, info, samples, args.epochs, cpu=args.cpu)
         config = sc.write_consumer_config(stream_dir, body)
         print(sc.describe(info, config), flush=True)
         return _hold(info.channel_path)

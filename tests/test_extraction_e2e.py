@@ -463,3 +463,47 @@ def test_extract_reports_the_runs_state_check_with_one_bad_sample(
     assert letters[0]["gap"] == total["worst_gap"]
     assert datagen(monkeypatch, stack, "status") == 0
     assert "state check: 8 samples checked" in capsys.readouterr().out
+
+
+def test_a_stream_counts_the_draft_vocabulary_from_the_training_set_as_the_file_build_does(
+        stack: Stack, model_dir: Path, encoder: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a prepared training set (2 shards, one sample with an id outside the vocabulary)
+    from datagen.extraction.extractor import Extractor
+    from datagen.extraction.runner import extraction_config
+    from datagen.stream.handoff import count_training_set, write_stream_handoff
+    from datagen.training import vocab_mapping as vm
+
+    settings = stack.configure(
+        server_url="http://127.0.0.1:9", model_path=str(model_dir), extract_dtype="float32",
+        extract_batch_tokens=512, shard_samples=6, train_max_length=128)
+    out = Path(settings.output_dir)
+    synthetic_records(out, encoder.vocab_size, 12)
+    assert datagen(monkeypatch, stack, "prepare") == 0
+    counts = extraction_dir(settings) / vm.COUNTS_DIR
+
+    # When: a stream counts the ids before any state exists (its consumer starts first)
+    names, samples = count_training_set(settings)
+    streamed = {p.name: vm.read_shard_counts(p) for p in sorted(counts.glob("*.json"))}
+    made, _ = write_stream_handoff(settings)
+    mapping = torch.load(made.vocab_mapping, weights_only=True)
+
+    # Then: the same counts, file for file, as the file build's extraction writes them, and
+    # the same vocabulary mapping from them
+    for p in counts.glob("*.json"):
+        p.unlink()
+    manifest = json.loads((training_dir(out) / "manifest.json").read_text())
+    with Extractor(extraction_config(settings)) as ex:
+        for shard in manifest["shards"]:
+            ex.run_shard(out / shard["path"])
+    built = {p.name: vm.read_shard_counts(p) for p in sorted(counts.glob("*.json"))}
+    assert len(names) == 2 and samples == 11  # the bad sample is not counted
+    assert {n: c for n, (c, _) in streamed.items()} == {n: c for n, (c, _) in built.items()}
+    assert {n: m["aux_layer_ids"] for n, (_, m) in streamed.items()} == \
+        {n: m["aux_layer_ids"] for n, (_, m) in built.items()}
+    from datagen.training import handoff  # `datagen handoff`'s, from the file build's counts
+
+    rebuilt = handoff.write_handoff(extraction_dir(settings), names, settings.model_path,
+                                    settings.draft_vocab_size, settings.train_max_length)
+    by_files = torch.load(rebuilt.vocab_mapping, weights_only=True)
+    assert mapping.keys() == by_files.keys()
+    assert all(torch.equal(mapping[k], by_files[k]) for k in mapping)

@@ -75,8 +75,18 @@ def test_stream_prints_the_consumer_line_and_holds_the_plane_until_done(tmp_path
 
 
 def test_stream_without_a_handoff_names_the_missing_file(tmp_path):
-    out = subprocess.run(stream_command("--samples", "2", "--output-dir", str(tmp_path)),
+    out = subprocess.run(stream_command("--samples", "2", "--output-dir", str(tmp_path),
+                                        "--handoff", str(tmp_path / "specforge_train.json")),
                          capture_output=True, text=True, timeout=CLI_HANG_S)
     assert out.returncode == 2
     assert "specforge_train.json is missing" in out.stderr and "datagen handoff" in out.stderr
+    assert not (tmp_path / "stream").exists()  # nothing was started
+
+
+def test_stream_without_a_training_set_says_to_prepare_one(tmp_path):
+    # no handoff yet: the stream counts the draft vocabulary from the training set's ids
+    out = subprocess.run(stream_command("--output-dir", str(tmp_path)),
+                         capture_output=True, text=True, timeout=CLI_HANG_S)
+    assert out.returncode == 2
+    assert "no training set at" in out.stderr and "datagen prepare" in out.stderr
     assert not (tmp_path / "stream").exists()  # nothing was started
