@@ -336,3 +336,30 @@ def test_bench_capture_disk_builds_kept_and_freed_side_by_side(tmp_path: Path) -
     assert freed["left_bytes"] < freed["states_bytes"] + freed["rows_bytes"]
     assert all(r["peak_bytes"] >= r["rows_bytes"] > 0 for r in (kept, freed))
     assert "| keep_captured_states |" in result.stdout
+
+
+def test_bench_stream_runs_the_file_build_the_store_and_the_stock_consumer_side_by_side(
+        tmp_path: Path) -> None:
+    out = tmp_path / "stream.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_stream.py", "--samples", "6", "--positions", "32",
+         "--hidden", "32", "--bound-samples", "2", "--dir", str(tmp_path / "work"),
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    files, store, consumer = data["runs"]
+    assert [r["build"] for r in data["runs"]] == ["file", "store", "consumer"]
+    # the file build keeps every sample on disk
+    assert files["left_disk_bytes"] >= 6 * data["sample_store_bytes"]
+    for stream in (store, consumer):
+        assert stream["samples_per_s"] > 0 and stream["steady_samples_per_s"] >= 0
+        # the bound (2 samples of 6, all trained) was reached and never passed: the
+        # producer waited for acknowledgements
+        assert stream["peak_resident_bytes"] == stream["bound_bytes"] \
+            == 2 * data["sample_store_bytes"]
+        assert stream["peak_keys"] > 0 and stream["peak_store_allocated_bytes"] > 0
+    # the stand-in got every tensor of every sample back from the store
+    assert store["got_bytes"] == 6 * data["sample_store_bytes"]
+    assert consumer["consumer_start_s"] > 0 and consumer["checkpoint_bytes"] > 0
+    assert "| build | samples/s |" in result.stdout
