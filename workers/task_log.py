@@ -9,8 +9,8 @@ window, side by side"), for lines nobody reads at that rate. What an operator ac
 logged by the runner at WARNING (retries, dead letters, a lost server, a stored sample
 that lapsed); Flower shows every task (its events are unchanged), the ledger counts every
 outcome (``datagen status``). A
-worker started with ``--loglevel DEBUG`` logs both lines again; a gpu worker always does
-(one line per shard, minutes apart).
+worker with ``log_each_task`` on, or started with ``--loglevel DEBUG``, logs both lines
+again; a gpu worker always does (one line per shard, minutes apart).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ PER_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
 QUIET_QUEUES = frozenset({"short", "long"})
 
 
-def per_task_lines_quieted(queues: set[str], loglevel: int) -> bool:
+def per_task_lines_quieted(queues: set[str], loglevel: int, log_each_task: bool) -> bool:
     """Whether a worker consuming ``queues`` at ``loglevel`` logs its tasks at DEBUG only."""
-    return bool(queues) and queues <= QUIET_QUEUES and loglevel > logging.DEBUG
+    return (not log_each_task and bool(queues) and queues <= QUIET_QUEUES
+            and loglevel > logging.DEBUG)
 
 
 @signals.celeryd_after_setup.connect
@@ -37,6 +38,7 @@ def _quiet_per_task_lines(sender: Any = None, instance: Any = None, **_: object)
     if instance is None:
         return
     queues = set(instance.app.amqp.queues.consume_from)
-    if per_task_lines_quieted(queues, int(instance.loglevel)):
+    settings = instance.app.conf.datagen_settings
+    if per_task_lines_quieted(queues, int(instance.loglevel), settings.log_each_task):
         for name in PER_TASK_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)

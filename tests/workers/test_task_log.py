@@ -17,20 +17,21 @@ SUCCEEDED = re.compile(r"Task datagen\.generate\[[^\]]+\] succeeded in")
 
 
 def test_only_generation_workers_above_debug_are_quieted() -> None:
-    assert per_task_lines_quieted({"short"}, logging.INFO)
-    assert per_task_lines_quieted({"short", "long"}, logging.WARNING)
-    assert not per_task_lines_quieted({"short"}, logging.DEBUG)
-    assert not per_task_lines_quieted({"gpu"}, logging.INFO)
-    assert not per_task_lines_quieted({"short", "gpu"}, logging.INFO)
-    assert not per_task_lines_quieted(set(), logging.INFO)
+    assert per_task_lines_quieted({"short"}, logging.INFO, False)
+    assert per_task_lines_quieted({"short", "long"}, logging.WARNING, False)
+    assert not per_task_lines_quieted({"short"}, logging.INFO, True)  # log_each_task
+    assert not per_task_lines_quieted({"short"}, logging.DEBUG, False)
+    assert not per_task_lines_quieted({"gpu"}, logging.INFO, False)
+    assert not per_task_lines_quieted({"short", "gpu"}, logging.INFO, False)
+    assert not per_task_lines_quieted(set(), logging.INFO, False)
 
 
-def _run(stack: Stack, samples: int) -> str:
+def _run(stack: Stack, samples: int, **worker_settings: object) -> str:
     write_jsonl(stack.tmp / "partition" / "L1.jsonl",
                 [{"id": f"l{i}", "prompt": f"Line {i}"} for i in range(samples)])
     settings = stack.configure(data_dir=str(stack.tmp / "partition"), short_concurrency=4,
                                short_max_tokens=16)
-    worker = stack.worker("short")
+    worker = stack.worker("short", **worker_settings)
     stack.wait_workers(1)
     ledger = stack.ledger()
     Producer(settings, stack.app(), ledger).run()
@@ -50,3 +51,12 @@ def test_a_short_worker_at_info_logs_no_line_per_task(stack: Stack) -> None:
     # (without task_log it logs both, 24 lines here), while the worker's own start-up did log
     assert "ready." in log
     assert not RECEIVED.search(log) and not SUCCEEDED.search(log), log[-2000:]
+
+
+def test_log_each_task_keeps_both_lines_of_every_task(stack: Stack) -> None:
+    # Given: the same worker with log_each_task on (what bench_budget counts runs by)
+    stack.start_simulator("--lengths", "fixed:8", "--decode-step-s", "0.001")
+    # When: it runs every sample of a dataset
+    log = _run(stack, 12, log_each_task=True)
+    # Then: one "received" and one "succeeded" line per task, as Celery logs them at INFO
+    assert len(RECEIVED.findall(log)) == 12 and len(SUCCEEDED.findall(log)) == 12, log[-2000:]
