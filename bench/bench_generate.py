@@ -75,6 +75,7 @@ from datagen.generation.follower import follow  # noqa: E402
 from datagen.generation.guard import enqueue  # noqa: E402
 from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
+from datagen.generation.records import records_dir  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenization.chat import ChatEncoder  # noqa: E402
 from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
@@ -125,7 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "generate.json"))
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, records)")
+    p.add_argument("--base-tree", help="with --short-workers 2: short1 runs the code of this "
+                   "checkout (its .venv linked), short2 this tree's, side by side on one queue "
+                   "and one load; each run reports both workers' CPU per 1,000 of their own "
+                   "samples")
     args = p.parse_args(argv)
+    if args.base_tree and args.short_workers != 2:
+        p.error("--base-tree compares two short workers: pass --short-workers 2")
     args.decode_steps_s = [float(x) for x in args.decode_steps_s.split(",")]
     args.decode_step_s = args.decode_steps_s[0]  # the step of the simulator now running
     return args
@@ -207,11 +214,32 @@ class Bench:
     def start_workers(self) -> None:
         for name, threads in self.worker_limits().items():
             queue = name.rstrip("0123456789")
-            env = dict(self.env, **{f"DATAGEN_{queue.upper()}_CONCURRENCY": str(threads)})
-            proc = start_worker(queue, child_env(env), self.tmp / "logs", name=f"{name}@bench")
+            env = child_env(dict(self.env,
+                                 **{f"DATAGEN_{queue.upper()}_CONCURRENCY": str(threads)}))
+            if name == "short1" and self.args.base_tree:
+                proc = self._start_base_worker(queue, env, name)
+            else:
+                proc = start_worker(queue, env, self.tmp / "logs", name=f"{name}@bench")
             self.workers[name] = proc
             self.procs.append(proc)
         wait_for_workers(self.redis.url, len(self.workers), procs=list(self.workers.values()))
+
+    def _start_base_worker(self, queue: str, env: dict[str, str], name: str) -> Process:
+        """``datagen worker`` from --base-tree: its folder the working directory and the whole
+        PYTHONPATH, so it imports that tree's code only (exec keeps the pid)."""
+        base = str(Path(self.args.base_tree).resolve())
+        argv = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', base, f"{base}/.venv/bin/python", "-m",
+                "cli.main", "worker", queue, "-n", f"{name}@bench"]
+        return Process(name, argv, self.tmp / "logs" / f"worker-{name}.log",
+                       dict(env, PYTHONPATH=base))
+
+    def samples_by_worker(self, dataset: str) -> dict[str, int]:
+        """Records each worker stored of ``dataset``: its records file is named
+        "<host>-<pid>-<random>.jsonl" (ledger.owner_id)."""
+        folder = records_dir(self.tmp / "out", dataset)
+        return {name: sum(sum(1 for _ in open(f, "rb"))
+                          for f in folder.glob(f"*-{proc.pid}-*.jsonl"))
+                for name, proc in self.workers.items()}
 
     def limits(self) -> dict[str, int]:
         return {"short": self.args.short_concurrency, "long": self.args.long_concurrency}
@@ -391,6 +419,13 @@ def run_pipeline(bench: Bench, rows: list[dict[str, Any]], rnd: int) -> dict[str
                                        [f"worker_{name}" for name in bench.workers]),
                short=sum(r.short for r in reports), long=sum(r.long for r in reports),
                pss_samples=monitor.pss)
+    if bench.args.base_tree:
+        samples = bench.samples_by_worker(dataset)
+        out["side_by_side"] = {
+            name: {"tree": bench.args.base_tree if name == "short1" else "this tree",
+                   "samples": samples[name],
+                   "cpu_s_per_1000": per_1000(out["cpu_s"], samples[name], [f"worker_{name}"])}
+            for name in ("short1", "short2")}
     app.close()
     return out
 
@@ -611,6 +646,9 @@ def print_run(r: dict[str, Any]) -> None:
           f"steady in flight {s['steady_in_flight']}, drain {s['drain_s']}s; "
           f"peak running {r['sim_peak_running']}; {r['cpu_s_per_1000']:.2f} CPU s/1k samples; "
           f"other jobs {r['cores_used']['others']:.2f} cores", flush=True)
+    for name, w in r.get("side_by_side", {}).items():
+        print(f"  {name} ({w['tree']}): {w['samples']:,} samples, {w['cpu_s_per_1000']:.2f} CPU s "
+              "per 1,000 of them", flush=True)
 
 
 # -- main -----------------------------------------------------------------------------------
