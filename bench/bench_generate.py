@@ -4,6 +4,8 @@
     .venv/bin/python bench/bench_generate.py --rounds 3 --out /tmp/generate.json
     .venv/bin/python bench/bench_generate.py --phases producer --producer-prompts 5000
     .venv/bin/python bench/bench_generate.py --phases throughput --decode-steps-s 0.002 --rounds 4
+    .venv/bin/python bench/bench_generate.py --phases throughput --decode-steps-s 0.002 \
+        --short-workers 2 --base-tree /tmp/base      # /tmp/base's code beside this tree's
 
 Everything runs on loopback with real processes: a throwaway Redis, one SGLang simulator and the
 `datagen worker short|long` commands an operator runs.
@@ -20,6 +22,10 @@ Everything runs on loopback with real processes: a throwaway Redis, one SGLang s
   http        one thread posting the same /generate body in turn through a requests.Session
               (what the client used before) and through SGLangClient.generate (http.client),
               alternating blocks: CPU per call of each
+  --base-tree with --short-workers 2: short1 runs another checkout's code (its .venv linked),
+              short2 this tree's, on one queue at one load; each reports its CPU per 1,000 of
+              the samples it stored (its records file): a comparison the machine's load moves
+              far less than alternating whole runs
   floor       the same worker command and settings with a task that does no work
               (bench/noop_app.py: it holds its thread for the pipeline's median request time,
               0.4 s without the throughput phase, then one INCR), --prompts messages of the
