@@ -129,7 +129,8 @@ def one_round(args: argparse.Namespace, rule: str, tmp: Path, tokenizer: Path,
                "DATAGEN_TOKEN_BUDGET": str(args.budget),
                "DATAGEN_SHORT_CONCURRENCY": str(args.workers),
                "DATAGEN_SHORT_MAX_TOKENS": str(args.max_new_tokens),
-               "DATAGEN_LEASE_S": "10", **RULES[rule]}
+               "DATAGEN_LEASE_S": "10", "DATAGEN_LOG_EACH_TASK": "true",  # runs: its lines
+               **RULES[rule]}
         env.update({f"DATAGEN_{name.upper()}": value
                     for name, _, value in (item.partition("=") for item in args.setting)})
         if args.margin_sd is not None:

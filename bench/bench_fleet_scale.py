@@ -111,7 +111,9 @@ class FleetRun:
                     "DATAGEN_CONTEXT_LENGTH": str(parts.CONTEXT_LENGTH),
                     "DATAGEN_LONG_THRESHOLD_TOKENS": str(LONG_THRESHOLD_TOKENS),
                     "DATAGEN_SHORT_CONCURRENCY": str(self.args.short_concurrency),
-                    "DATAGEN_LONG_CONCURRENCY": str(self.args.long_concurrency)}
+                    "DATAGEN_LONG_CONCURRENCY": str(self.args.long_concurrency),
+                    # task_runs counts Celery's per-task lines (workers/task_log.py)
+                    "DATAGEN_LOG_EACH_TASK": "true"}
 
     def start_hosts(self) -> Path:
         for name in ("redis", "server", *WORKER_HOSTS, "control"):

@@ -4,6 +4,8 @@
     .venv/bin/python bench/bench_generate.py --rounds 3 --out /tmp/generate.json
     .venv/bin/python bench/bench_generate.py --phases producer --producer-prompts 5000
     .venv/bin/python bench/bench_generate.py --phases throughput --decode-steps-s 0.002 --rounds 4
+    .venv/bin/python bench/bench_generate.py --phases throughput --decode-steps-s 0.002 \
+        --short-workers 2 --base-tree /tmp/base      # /tmp/base's code beside this tree's
 
 Everything runs on loopback with real processes: a throwaway Redis, one SGLang simulator and the
 `datagen worker short|long` commands an operator runs.
@@ -20,6 +22,10 @@ Everything runs on loopback with real processes: a throwaway Redis, one SGLang s
   http        one thread posting the same /generate body in turn through a requests.Session
               (what the client used before) and through SGLangClient.generate (http.client),
               alternating blocks: CPU per call of each
+  --base-tree with --short-workers 2: short1 runs another checkout's code (its .venv linked),
+              short2 this tree's, on one queue at one load; each reports its CPU per 1,000 of
+              the samples it stored (its records file): a comparison the machine's load moves
+              far less than alternating whole runs
   floor       the same worker command and settings with a task that does no work
               (bench/noop_app.py: it holds its thread for the pipeline's median request time,
               0.4 s without the throughput phase, then one INCR), --prompts messages of the
@@ -75,6 +81,7 @@ from datagen.generation.follower import follow  # noqa: E402
 from datagen.generation.guard import enqueue  # noqa: E402
 from datagen.generation.job import Job  # noqa: E402
 from datagen.generation.ledger import Ledger  # noqa: E402
+from datagen.generation.records import records_dir  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.tokenization.chat import ChatEncoder  # noqa: E402
 from datagen.tokenization.tokenizer import build_tiny_tokenizer  # noqa: E402
@@ -125,7 +132,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-timeout-s", type=float, default=300.0)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "generate.json"))
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (logs, records)")
+    p.add_argument("--base-tree", help="with --short-workers 2: short1 runs the code of this "
+                   "checkout (its .venv linked), short2 this tree's, side by side on one queue "
+                   "and one load; each run reports both workers' CPU per 1,000 of their own "
+                   "samples")
     args = p.parse_args(argv)
+    if args.base_tree and args.short_workers != 2:
+        p.error("--base-tree compares two short workers: pass --short-workers 2")
     args.decode_steps_s = [float(x) for x in args.decode_steps_s.split(",")]
     args.decode_step_s = args.decode_steps_s[0]  # the step of the simulator now running
     return args
@@ -207,11 +220,32 @@ class Bench:
     def start_workers(self) -> None:
         for name, threads in self.worker_limits().items():
             queue = name.rstrip("0123456789")
-            env = dict(self.env, **{f"DATAGEN_{queue.upper()}_CONCURRENCY": str(threads)})
-            proc = start_worker(queue, child_env(env), self.tmp / "logs", name=f"{name}@bench")
+            env = child_env(dict(self.env,
+                                 **{f"DATAGEN_{queue.upper()}_CONCURRENCY": str(threads)}))
+            if name == "short1" and self.args.base_tree:
+                proc = self._start_base_worker(queue, env, name)
+            else:
+                proc = start_worker(queue, env, self.tmp / "logs", name=f"{name}@bench")
             self.workers[name] = proc
             self.procs.append(proc)
         wait_for_workers(self.redis.url, len(self.workers), procs=list(self.workers.values()))
+
+    def _start_base_worker(self, queue: str, env: dict[str, str], name: str) -> Process:
+        """``datagen worker`` from --base-tree: its folder the working directory and the whole
+        PYTHONPATH, so it imports that tree's code only (exec keeps the pid)."""
+        base = str(Path(self.args.base_tree).resolve())
+        argv = ["/bin/sh", "-c", 'cd "$0" && exec "$@"', base, f"{base}/.venv/bin/python", "-m",
+                "cli.main", "worker", queue, "-n", f"{name}@bench"]
+        return Process(name, argv, self.tmp / "logs" / f"worker-{name}.log",
+                       dict(env, PYTHONPATH=base))
+
+    def samples_by_worker(self, dataset: str) -> dict[str, int]:
+        """Records each worker stored of ``dataset``: its records file is named
+        "<host>-<pid>-<random>.jsonl" (ledger.owner_id)."""
+        folder = records_dir(self.tmp / "out", dataset)
+        return {name: sum(sum(1 for _ in open(f, "rb"))
+                          for f in folder.glob(f"*-{proc.pid}-*.jsonl"))
+                for name, proc in self.workers.items()}
 
     def limits(self) -> dict[str, int]:
         return {"short": self.args.short_concurrency, "long": self.args.long_concurrency}
@@ -391,6 +425,13 @@ def run_pipeline(bench: Bench, rows: list[dict[str, Any]], rnd: int) -> dict[str
                                        [f"worker_{name}" for name in bench.workers]),
                short=sum(r.short for r in reports), long=sum(r.long for r in reports),
                pss_samples=monitor.pss)
+    if bench.args.base_tree:
+        samples = bench.samples_by_worker(dataset)
+        out["side_by_side"] = {
+            name: {"tree": bench.args.base_tree if name == "short1" else "this tree",
+                   "samples": samples[name],
+                   "cpu_s_per_1000": per_1000(out["cpu_s"], samples[name], [f"worker_{name}"])}
+            for name in ("short1", "short2")}
     app.close()
     return out
 
@@ -611,6 +652,9 @@ def print_run(r: dict[str, Any]) -> None:
           f"steady in flight {s['steady_in_flight']}, drain {s['drain_s']}s; "
           f"peak running {r['sim_peak_running']}; {r['cpu_s_per_1000']:.2f} CPU s/1k samples; "
           f"other jobs {r['cores_used']['others']:.2f} cores", flush=True)
+    for name, w in r.get("side_by_side", {}).items():
+        print(f"  {name} ({w['tree']}): {w['samples']:,} samples, {w['cpu_s_per_1000']:.2f} CPU s "
+              "per 1,000 of them", flush=True)
 
 
 # -- main -----------------------------------------------------------------------------------

@@ -147,6 +147,7 @@ class Settings:
     # lost work after a crash is found through the ledger's leases instead.
     visibility_timeout_s: int = 43_200  # kombu's; must be the same in every process
     worker_pool: str = "threads"  # pool of the short/long workers
+    log_each_task: bool = False  # Celery's received/succeeded lines of short/long tasks at INFO
     # A server's name that does not resolve for half a lease is taken for a host gone (before
     # that, no verdict: container DNS fails for seconds about live hosts; RELIABILITY.md).
     lease_s: float = 30.0  # a silent worker's samples re-run; a name unresolved lease/2: host gone

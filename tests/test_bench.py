@@ -66,6 +66,32 @@ def test_bench_generate_measures_the_pipeline_the_client_and_the_celery_floor(
     assert "no-op worker / direct client CPU per sample" in result.stdout
 
 
+def test_bench_generate_runs_two_checkouts_side_by_side(tmp_path: Path) -> None:
+    # Given: another checkout of the code (this commit's), its .venv linked
+    base = tmp_path / "base"
+    base.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True,
+                             check=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True, timeout=120)
+    (base / ".venv").symlink_to(Path(sys.prefix))
+    out = tmp_path / "generate.json"
+    # When: the throughput phase runs one short worker from it and one from this tree
+    result = subprocess.run(
+        [sys.executable, "bench/bench_generate.py", "--phases", "throughput",
+         "--decode-steps-s", "0.002", "--rounds", "1", "--prompts", "120",
+         "--short-workers", "2", "--base-tree", str(base), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Then: each worker's CPU is divided by the samples it stored, which add up to the
+    # short queue's
+    pipe = json.loads(out.read_text())["throughput"]["2ms"]["runs"][0]
+    both = pipe["side_by_side"]
+    assert both["short1"]["tree"] == str(base) and both["short2"]["tree"] == "this tree"
+    assert both["short1"]["samples"] + both["short2"]["samples"] == pipe["short"]
+    assert all(w["samples"] > 0 and w["cpu_s_per_1000"] > 0 for w in both.values())
+    assert "short1 (" in result.stdout
+
+
 def test_bench_scale_measures_every_phase_and_fits_a_line(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     result = subprocess.run(

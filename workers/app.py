@@ -6,6 +6,7 @@ The app comes from datagen.celery_app with settings from the environment
 
 import workers.extract  # noqa: E402,F401  (registers datagen.extract; torch loads lazily)
 import workers.generate  # noqa: E402,F401  (registers datagen.generate)
+import workers.task_log  # noqa: E402,F401  (Celery's per-task lines at DEBUG: task_log.py)
 from datagen.celery_app import app
 
 __all__ = ["app"]
