@@ -11,7 +11,6 @@ from pathlib import Path
 from config.settings import Settings
 from datagen.errors import BadInput
 from datagen.stream import consumer as sc
-from datagen.stream.handoff import write_stream_handoff
 from datagen.stream.plane import SEGMENT_BYTES, Plane
 from datagen.training import handoff
 from datagen.training.training_set import extraction_dir
@@ -38,7 +37,9 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
     run_config = Path(args.handoff or extraction_dir(settings) / handoff.RUN_CONFIG_NAME)
     samples = args.samples
     if not args.handoff and (samples is None or not run_config.exists()):
-        # no states yet: the draft vocabulary from the training set's ids
+        # no states yet: the draft vocabulary from the training set's ids (torch loads here)
+        from datagen.stream.handoff import write_stream_handoff  # noqa: PLC0415
+
         made_now, counted = write_stream_handoff(settings)
         print(handoff.describe(made_now), flush=True)
         run_config, samples = made_now.run_config, samples or counted

@@ -5,11 +5,10 @@ task returns. A short worker on a fast server runs a few hundred tasks a second,
 threads each making, formatting and writing two records under the log handler's one lock:
 5% of the samples of a py-spy profile of the worker holding the GIL, and 5-10% less worker
 CPU per sample without them, measured side by side (BENCHMARKS.md, "The queue's cost since
-the claims and the window, side by side"), for lines nobody reads at that rate. What an operator acts on is
-logged by the runner at WARNING (retries, dead letters, a lost server, a stored sample
-that lapsed); Flower shows every task (its events are unchanged), the ledger counts every
-outcome (``datagen status``). A
-worker with ``log_each_task`` on, or started with ``--loglevel DEBUG``, logs both lines
+the claims and the window, side by side"), for lines nobody reads at that rate. What an
+operator acts on is logged by the runner at WARNING (retries, dead letters, a lost server, a
+stored sample that lapsed); Flower shows every task (its events are unchanged), the ledger
+counts every outcome (``datagen status``). A worker with ``log_each_task`` on, or started with ``--loglevel DEBUG``, logs both lines
 again; a gpu worker always does (one line per shard, minutes apart).
 """
 
