@@ -35,7 +35,7 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
     run_config = Path(args.handoff or extraction_dir(settings) / handoff.RUN_CONFIG_NAME)
     made = sc.read_handoff_config(run_config)  # before anything starts: a clear error
     stream_dir = Path(args.stream_dir or Path(settings.output_dir) / "stream")
-    with Plane(stream_dir, segment_bytes=args.segment_mb << 20) as info:
+    with Plane(stream_dir, segment_bytes=args.segment_mb << 20, epochs=args.epochs) as info:
         body = sc.consumer_config(made, info, args.samples, args.epochs, cpu=args.cpu)
         config = sc.write_consumer_config(stream_dir, body)
         print(sc.describe(info, config), flush=True)
