@@ -10,7 +10,7 @@ from pathlib import Path
 
 from config.settings import Settings
 from datagen.stream import consumer as sc
-from datagen.stream.plane import SEGMENT_BYTES, Plane
+from datagen.stream.plane import SEGMENT_BYTES, Plane, PlaneInfo, key_count
 from datagen.training import handoff
 from datagen.training.training_set import extraction_dir
 
@@ -39,16 +39,20 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
         body = sc.consumer_config(made, info, args.samples, args.epochs, cpu=args.cpu)
         config = sc.write_consumer_config(stream_dir, body)
         print(sc.describe(info, config), flush=True)
-        return _hold(info.channel_path)
+        return _hold(info)
 
 
-def _hold(channel_path: str) -> int:
-    """Keep the plane up until the consumer is done (0) or failed (1), or a signal (130)."""
+def _hold(info: PlaneInfo) -> int:
+    """Keep the plane up until the consumer is done (0) or failed (1), or a signal (130).
+    When done, the objects the store still holds (0 unless something leaked) are printed
+    before the plane stops and takes them."""
+    channel_path = info.channel_path
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     while not stop:
         if Path(channel_path + ".consumer_done").exists():
-            print("consumer done: plane stopped", flush=True)
+            print(f"consumer done: the store holds {key_count(info)} objects; plane stopped",
+                  flush=True)
             return 0
         failed = Path(channel_path + ".consumer_failed")
         if failed.exists():

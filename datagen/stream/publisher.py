@@ -106,6 +106,13 @@ def channel_sample_ids(channel_path: str | Path) -> set[str]:
     return {json.loads(line)["sample_id"] for line in lines if line.strip()}
 
 
+def close_channel(channel_path: str | Path) -> None:
+    """No more refs on this channel: the consumer finishes once it has trained on all."""
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    StreamingRefChannel(str(channel_path)).close()
+
+
 class Publisher:
     """Puts one sample's states into the consumer's feature store and publishes its ref."""
 
@@ -163,7 +170,7 @@ class Publisher:
 
     def close(self) -> None:
         """No more refs this run: the consumer finishes once it has trained on all."""
-        self.channel.close()
+        close_channel(self.channel_path)
 
     def fail(self, reason: str) -> None:
         self.channel.fail(reason)
