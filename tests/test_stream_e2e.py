@@ -118,7 +118,7 @@ class StreamRun:
 
 def stream_settings(stack: Stack, model: Path, run: StreamRun, **more: Any) -> Any:
     return stack.configure(output_dir=str(stack.tmp / "stream_out"), states_to="stream",
-                           stream_dir=str(run.dir), **common(model), **more)
+                           stream_dir=str(run.dir), **{**common(model), **more})
 
 
 def test_two_epochs_of_records_reach_the_stock_consumer_once_each_as_the_file_build(
