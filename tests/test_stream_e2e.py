@@ -47,16 +47,24 @@ def common(model: Path) -> dict[str, Any]:
             "check_positions_cpu": 6}
 
 
+def prepared(stack: Stack, model: Path, monkeypatch: pytest.MonkeyPatch, settings: Any, n: int,
+             worker: str) -> tuple[Path, Any]:
+    """n records with their log-probabilities prepared into shards under the settings'
+    output folder, and a gpu worker (named ``worker``) up."""
+    out = Path(settings.output_dir)
+    records_with_logprobs(out, model, stack.encoder.vocab_size, n)
+    assert datagen(monkeypatch, stack, "prepare") == 0
+    gpu = stack.worker("gpu", name=worker)
+    stack.wait_workers(1, [gpu])
+    return out, gpu
+
+
 def file_build(stack: Stack, model: Path, monkeypatch: pytest.MonkeyPatch, n: int
                ) -> tuple[dict[str, dict[str, dict[str, Any]]], Path]:
     """`datagen extract` of the records into .ckpt files: each sample's stream tensors'
     digests (renamed as publisher.stream_tensors does) by record id, and the handoff."""
     settings = stack.configure(output_dir=str(stack.tmp / "files"), **common(model))
-    out = Path(settings.output_dir)
-    records_with_logprobs(out, model, stack.encoder.vocab_size, n)
-    assert datagen(monkeypatch, stack, "prepare") == 0
-    gpu = stack.worker("gpu", name="gpu-files")
-    stack.wait_workers(1, [gpu])
+    out, gpu = prepared(stack, model, monkeypatch, settings, n, "gpu-files")
     assert datagen(monkeypatch, stack, "extract", "--interval", "0.3", "--timeout-s",
                    str(CLI_HANG_S)) == 3  # s3 dead-lettered by the state check
     assert datagen(monkeypatch, stack, "handoff") == 0
@@ -131,11 +139,7 @@ def test_two_epochs_of_records_reach_the_stock_consumer_once_each_as_the_file_bu
     run = StreamRun(stack.tmp, handoff, n, 2)
     try:
         settings = stream_settings(stack, model_dir, run)
-        out = Path(settings.output_dir)
-        records_with_logprobs(out, model_dir, stack.encoder.vocab_size, n)
-        assert datagen(monkeypatch, stack, "prepare") == 0
-        gpu = stack.worker("gpu", name="gpu-e1")
-        stack.wait_workers(1, [gpu])
+        out, gpu = prepared(stack, model_dir, monkeypatch, settings, n, "gpu-e1")
 
         # When: epoch 1 is extracted into the stream, then epoch 2 by a gpu worker restarted
         # with stream_epoch = 2
@@ -199,11 +203,7 @@ def test_a_gpu_worker_sigkilled_mid_epoch_leaves_each_sample_acked_once(
     try:
         settings = stream_settings(stack, model_dir, run, stream_resident_bytes=1,
                                    shard_samples=n)
-        out = Path(settings.output_dir)
-        records_with_logprobs(out, model_dir, stack.encoder.vocab_size, n)
-        assert datagen(monkeypatch, stack, "prepare") == 0
-        gpu = stack.worker("gpu", name="gpu-victim")
-        stack.wait_workers(1, [gpu])
+        out, gpu = prepared(stack, model_dir, monkeypatch, settings, n, "gpu-victim")
         assert datagen(monkeypatch, stack, "extract", "--no-wait") == 0
 
         # When: the worker is SIGKILLed after 2 puts, and another one takes over
