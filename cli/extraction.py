@@ -40,6 +40,7 @@ from datagen.generation.records import (
 )
 from datagen.servers import capture
 from datagen.stream import ledger as stream_ledger
+from datagen.stream.plane import PlaneInfo
 from datagen.training import draft_config, handoff, training_set
 from datagen.training.text_rows import TextRows
 
@@ -201,14 +202,35 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
 
 def _hand_off(settings: Settings, shards: list[xlm.ShardState], code: int) -> int:
     """The handoff once extraction finished with exit `code`; none while it is incomplete."""
+    if settings.states_to == "stream":  # the consumer trained from the stream: no files
+        return _stream_finished(settings, shards, code)
     if code:
         print("SpecForge handoff not written: extraction is incomplete")
         return code
-    if settings.states_to == "stream":  # the consumer trained from the stream: no files
-        ledger = stream_ledger.StreamLedger(_ledger(settings).r, settings.stream_epoch)
-        print(stream_ledger.describe(ledger.counts(), settings.stream_resident_bytes))
-        return 0
     return write_handoff(settings, shards)
+
+
+def _stream_finished(settings: Settings, shards: list[xlm.ShardState], code: int) -> int:
+    """The epoch's counts; after the plane's last epoch with every shard done (dead-lettered
+    samples included: they will never come) the channel is closed, so the consumer ends with
+    fewer steps than its horizon instead of waiting for refs that will not come."""
+    r = _ledger(settings).r
+    ledger = stream_ledger.StreamLedger(r, settings.stream_epoch)
+    print(stream_ledger.describe(ledger.counts(), settings.stream_resident_bytes))
+    _, dead, todo = xlm.split_shards(shards, xlm.ExtractionLedger(r))
+    if dead or todo:
+        print(f"stream epoch {settings.stream_epoch} incomplete: {len(dead)} shards "
+              f"dead-lettered, {len(todo)} to do; `datagen extract` again to finish it")
+        return code or EXIT_INCOMPLETE
+    folder = stream_ledger.stream_dir(settings)
+    plane = PlaneInfo.read(folder)
+    if settings.stream_epoch >= plane.epochs:
+        from datagen.stream.publisher import close_channel  # loads torch: only here
+
+        close_channel(plane.channel_path)
+        print(f"stream closed after epoch {settings.stream_epoch} of {plane.epochs}: the "
+              "consumer ends once it has trained on what was published")
+    return code
 
 
 def write_handoff(settings: Settings, shards: list[xlm.ShardState]) -> int:

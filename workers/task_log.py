@@ -8,8 +8,9 @@ CPU per sample without them, measured side by side (BENCHMARKS.md, "The queue's 
 the claims and the window, side by side"), for lines nobody reads at that rate. What an
 operator acts on is logged by the runner at WARNING (retries, dead letters, a lost server, a
 stored sample that lapsed); Flower shows every task (its events are unchanged), the ledger
-counts every outcome (``datagen status``). A worker with ``log_each_task`` on, or started with ``--loglevel DEBUG``, logs both lines
-again; a gpu worker always does (one line per shard, minutes apart).
+counts every outcome (``datagen status``). A worker with ``log_each_task`` on, or started
+with ``--loglevel DEBUG``, logs both lines again; a gpu worker always does (one line per
+shard, minutes apart).
 """
 
 from __future__ import annotations

@@ -54,6 +54,12 @@ class PlaneInfo:
     segment_bytes: int
     channel_path: str    # the consumer's refs.jsonl
     state_dir: str       # the consumer's state folder (consumer.sqlite)
+    epochs: int = 1      # the consumer's horizon in epochs: the last one closes the channel
+
+    @property
+    def dir(self) -> Path:
+        """The stream folder (plane.json, published.jsonl): the channel's folder's parent."""
+        return Path(self.channel_path).parent.parent
 
     @property
     def db_path(self) -> Path:
@@ -128,9 +134,10 @@ class Plane:
     """``with Plane(stream_dir) as info: ...`` — master and holder started, stopped on exit."""
 
     def __init__(self, stream_dir: str | Path, segment_bytes: int = SEGMENT_BYTES,
-                 store_id: str | None = None):
+                 store_id: str | None = None, epochs: int = 1):
         self.dir = Path(stream_dir).resolve()
         self.segment_bytes = segment_bytes
+        self.epochs = epochs
         self.store_id = store_id or f"datagen-{uuid.uuid4().hex[:8]}"
         self.master: subprocess.Popen[bytes] | None = None
         self.holder: subprocess.Popen[bytes] | None = None
@@ -176,7 +183,7 @@ class Plane:
                          protocol=PROTOCOL, store_id=self.store_id, holder_pid=holder_pid,
                          holder_port=self._ports["holder"], segment_bytes=self.segment_bytes,
                          channel_path=str(consumer / "refs.jsonl"),
-                         state_dir=str(consumer / "state"))
+                         state_dir=str(consumer / "state"), epochs=self.epochs)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.dir / "mooncake" / f"{name}.log", "ab")  # noqa: SIM115 (the child's)

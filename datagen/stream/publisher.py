@@ -13,11 +13,18 @@ when it opens, so a publisher that replaces a dead one knows what that one publi
 second put of one publishes nothing and stores nothing. Two publishers racing on one id both
 publish; the consumer's SQLite ledger commits the first and drops the second
 (``commit_samples`` dedups by sample id: tests/datagen/stream/test_plane_publisher.py).
+
+The witness of what was streamed: each put appends one line to ``<stream_dir>/published.jsonl``
+(sample id, epoch, each stream tensor's sha256, shape and dtype, the bytes the store holds), no
+states, so what the trainer took can be checked against the records or a file build. The line
+follows the ref: a publisher killed between the two leaves a ref with no line.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +36,7 @@ from datagen.stream.plane import PlaneInfo
 TRAIN_DTYPE = torch.bfloat16
 SCHEMA_VERSION = 1
 STRATEGY = "eagle3"
+WITNESS_NAME = "published.jsonl"
 
 
 def stream_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -49,6 +57,45 @@ def stream_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "target": final.to(TRAIN_DTYPE)}
 
 
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes in memory order (any dtype, bf16 included)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def epoch_of(sample_id: str) -> int | None:
+    """The epoch of a stream sample id (``<dataset>/<id>@e<epoch>``, sink.sample_id)."""
+    _, sep, tail = sample_id.rpartition("@e")
+    return int(tail) if sep and tail.isdigit() else None
+
+
+def witness_line(sample_id: str, streamed: dict[str, torch.Tensor], nbytes: int) -> str:
+    """One published.jsonl line: what the trainer is handed for ``sample_id``, no states."""
+    return json.dumps({"sample_id": sample_id, "epoch": epoch_of(sample_id), "bytes": nbytes,
+                       "tensors": {name: {"sha256": tensor_digest(t), "shape": list(t.shape),
+                                          "dtype": str(t.dtype).removeprefix("torch.")}
+                                   for name, t in sorted(streamed.items())}},
+                      separators=(",", ":")) + "\n"
+
+
+def read_witness(stream_dir: str | Path) -> list[dict]:
+    """Every complete line of a stream's published.jsonl (none when nothing was put)."""
+    try:
+        text = (Path(stream_dir) / WITNESS_NAME).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def _append(path: Path, line: str) -> None:
+    """One write with O_APPEND: lines of concurrent publishers never interleave."""
+    fd = os.open(path, os.O_APPEND | os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, line.encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
 def channel_sample_ids(channel_path: str | Path) -> set[str]:
     """Every sample id published on a channel so far (complete lines only)."""
     try:
@@ -57,6 +104,13 @@ def channel_sample_ids(channel_path: str | Path) -> set[str]:
         return set()
     lines = text.split("\n")[:-1]  # the last piece is a partial line, or ""
     return {json.loads(line)["sample_id"] for line in lines if line.strip()}
+
+
+def close_channel(channel_path: str | Path) -> None:
+    """No more refs on this channel: the consumer finishes once it has trained on all."""
+    from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
+
+    StreamingRefChannel(str(channel_path)).close()
 
 
 class Publisher:
@@ -99,6 +153,8 @@ class Publisher:
             "run_id": self.plane.store_id})
         self.channel.publish(ref)
         self._published.add(sample_id)
+        _append(self.plane.dir / WITNESS_NAME,
+                witness_line(sample_id, streamed, int(ref.estimated_bytes)))
         return int(ref.estimated_bytes)
 
     def acked(self) -> set[str]:
@@ -114,7 +170,7 @@ class Publisher:
 
     def close(self) -> None:
         """No more refs this run: the consumer finishes once it has trained on all."""
-        self.channel.close()
+        close_channel(self.channel_path)
 
     def fail(self, reason: str) -> None:
         self.channel.fail(reason)

@@ -113,7 +113,7 @@ def open_sink(stream_dir: str | Path, redis_url: str, epoch: int, bound_bytes: i
     from datagen.stream.plane import PlaneInfo  # the plane's (issue 45): loaded when streaming
     from datagen.stream.publisher import Publisher as PlanePublisher
 
-    plane: Any = PlaneInfo.load(Path(stream_dir))
+    plane: Any = PlaneInfo.read(stream_dir)
     publisher = PlanePublisher(plane, plane.channel_path)
     publisher.wait_ready()
     return StreamSink(publisher, StreamLedger(connect(redis_url), epoch), bound_bytes)

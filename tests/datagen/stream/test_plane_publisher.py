@@ -11,7 +11,13 @@ import torch
 from datagen.errors import BadInput, ConsumerFailed
 from datagen.extraction.files import Sample, sample_tensors
 from datagen.stream.plane import key_count
-from datagen.stream.publisher import Publisher, channel_sample_ids
+from datagen.stream.publisher import (
+    Publisher,
+    channel_sample_ids,
+    read_witness,
+    stream_tensors,
+    tensor_digest,
+)
 
 HIDDEN = 16
 
@@ -83,6 +89,27 @@ def test_a_second_put_of_one_id_publishes_and_stores_nothing(mooncake_plane, pub
     assert "A1/s2@e1" in channel_sample_ids(info.channel_path)
     # epoch 2 is another id: published again
     assert publisher.put("A1/s2@e2", file_sample(2)) > 0
+
+
+def test_each_put_leaves_one_witness_line_with_the_digests_of_what_was_streamed(
+        mooncake_plane, publisher):
+    """published.jsonl: one line per put (none for a re-put), the sha256, shape and dtype of
+    each tensor the trainer is handed, its bytes and epoch; no states in it."""
+    info = mooncake_plane.info
+    tensors = file_sample(5, n=9)
+    nbytes = publisher.put("A1/s5@e2", tensors)
+    assert publisher.put("A1/s5@e2", tensors) == 0
+    [line] = [x for x in read_witness(info.dir) if x["sample_id"] == "A1/s5@e2"]
+    assert line["epoch"] == 2 and line["bytes"] == nbytes
+    streamed = stream_tensors(tensors)
+    assert set(line["tensors"]) == set(streamed)
+    for name, t in streamed.items():
+        assert line["tensors"][name] == {"sha256": tensor_digest(t), "shape": list(t.shape),
+                                         "dtype": str(t.dtype).removeprefix("torch.")}, name
+    # the digest is of the bytes: another state gives another digest
+    other = stream_tensors(file_sample(6, n=9))["hidden_state"]
+    assert line["tensors"]["hidden_state"]["sha256"] != tensor_digest(other)
+    assert (info.dir / "published.jsonl").stat().st_size < 4096  # digests, not states
 
 
 def test_the_consumer_ledger_drops_a_duplicate_two_publishers_raced_on(tmp_path):
