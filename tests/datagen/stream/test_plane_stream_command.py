@@ -90,3 +90,20 @@ def test_stream_without_a_training_set_says_to_prepare_one(tmp_path):
     assert out.returncode == 2
     assert "no training set at" in out.stderr and "datagen prepare" in out.stderr
     assert not (tmp_path / "stream").exists()  # nothing was started
+
+
+def test_the_segment_holds_twice_the_resident_bound_unless_told(capsys):
+    # SpecForge frees an acknowledged sample only at its loader's next gc(): the store holds
+    # more than the sink's bound for a while, so the holder's segment is twice the bound
+    from types import SimpleNamespace
+
+    from cli.stream import segment_bytes
+    from datagen.stream.plane import SEGMENT_BYTES
+
+    eight = SimpleNamespace(stream_resident_bytes=8 << 30)
+    assert segment_bytes(eight, None) == 16 << 30
+    assert segment_bytes(SimpleNamespace(stream_resident_bytes=1 << 20), None) == SEGMENT_BYTES
+    assert segment_bytes(eight, 64) == 64 << 20
+    assert "under twice stream_resident_bytes" in capsys.readouterr().err
+    assert segment_bytes(eight, 16 << 10) == 16 << 30
+    assert capsys.readouterr().err == ""
