@@ -10,7 +10,9 @@ stream's names differ from the ``.ckpt``'s: ``hidden_state`` is the file's
 
 Idempotent per sample id: a publisher remembers every id on the channel (it reads the channel
 when it opens, so a publisher that replaces a dead one knows what that one published) and a
-second put of one publishes nothing and stores nothing. Two publishers racing on one id both
+second put of one publishes nothing and stores nothing — unless a SIGKILLed segment holder
+took the sample's bytes before the consumer acknowledged it: then the put restores them under
+the published ref's keys (datagen/stream/recovery.py). Two publishers racing on one id both
 publish; the consumer's SQLite ledger commits the first and drops the second
 (``commit_samples`` dedups by sample id: tests/datagen/stream/test_plane_publisher.py).
 """
@@ -89,9 +91,12 @@ class Publisher:
             time.sleep(0.1)
 
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> int:
-        """The bytes the sample holds in the store; 0 for an id already published."""
+        """The bytes the sample holds in the store; 0 for an id already published, unless a
+        lost segment holder took its bytes (recovery.py: put back under its ref)."""
         if sample_id in self._published:
-            return 0
+            from datagen.stream.recovery import restore_if_lost
+
+            return restore_if_lost(self, sample_id, tensors)
         streamed = stream_tensors(tensors)
         ref = self.store.put(streamed, sample_id=sample_id, metadata={
             "strategy": STRATEGY, "schema_version": SCHEMA_VERSION,

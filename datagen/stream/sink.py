@@ -24,6 +24,8 @@ from datagen.stream.ledger import StreamLedger
 if TYPE_CHECKING:
     import torch
 
+    from datagen.stream.recovery import Recompute
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a full store re-reads the consumer's acks
@@ -83,6 +85,15 @@ class StreamSink:
                             size, need)
             self.ledger.published(sid, size)
         return size
+
+    def recover(self, recompute: Recompute) -> list[str]:
+        """After a segment holder was lost: this epoch's published, unacknowledged samples
+        whose bytes are gone, recomputed and put back under their refs (recovery.py). The
+        ledger is unchanged: each stays one published sample, its room still reserved."""
+        from datagen.stream.recovery import recover_lost
+
+        with self._lock:
+            return recover_lost(self.publisher, self.epoch, recompute)  # type: ignore[arg-type]
 
     def refresh_acks(self) -> int:
         return self.ledger.acked(self.publisher.acked())

@@ -1,0 +1,165 @@
+"""A SIGKILLed segment holder (issue 45), all real parts: mooncake_master and mooncake_client,
+SpecForge 0.2.0's MooncakeFeatureStore, its StreamingRefChannel and its stock `specforge train
+--role consumer` (with the CPU loss stand-in of tests/specforge_cpu_consumer.py), the stream's
+Redis ledger. The holder takes every unacknowledged sample's bytes; the stock consumer fails on
+the first such ref and, resumed from its checkpoint, requeues the same refs; the sink puts the
+recomputed states back under those refs, and the consumer's consumer.sqlite shows each sample
+acknowledged once, under its one id, in as many optimizer steps as samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import wait_until
+from test_stream_consumer import (  # noqa: F401
+    CONSUMER_HANG_S,
+    N,
+    acked_rows,
+    handoff_config,
+    kill_group,
+    samples,
+    start_consumer,
+    wait_consumer_up,
+)
+
+from datagen.errors import BadInput
+from datagen.generation.ledger import connect
+from datagen.stream import consumer as sc
+from datagen.stream import recovery
+from datagen.stream.ledger import StreamLedger
+from datagen.stream.plane import Plane, key_count
+from datagen.stream.publisher import Publisher, stream_tensors
+from datagen.stream.sink import StreamSink
+
+EPOCH = 1
+IDS = [f"A1/s{i}@e{EPOCH}" for i in range(N)]
+BOUND = 1 << 20
+
+
+def test_the_lost_bytes_are_found_and_put_back_under_the_published_refs(tmp_path):
+    """No consumer: both published samples are lost with the holder; a restored one reads back
+    byte-equal through SpecForge's own get(), a re-put of the other restores it too."""
+    tensors = samples()
+    plane = Plane(tmp_path / "stream", segment_bytes=64 << 20)
+    with plane as info:
+        publisher = Publisher(info)
+        for sid, t in zip(IDS[:2], tensors[:2], strict=True):
+            assert publisher.put(sid, t) > 0
+        assert recovery.lost_refs(publisher, EPOCH) == []
+        assert publisher.put(IDS[0], tensors[0]) == 0  # readable: a re-put stores nothing
+        plane.restart_holder()
+        lost = recovery.lost_refs(publisher, EPOCH)
+        assert [r.sample_id for r in lost] == IDS[:2]
+        assert recovery.lost_refs(publisher, EPOCH + 1) == []  # another epoch's: none
+        assert recovery.restore(publisher, lost[0], tensors[0]) > 0
+        got, handle = publisher.store.get(lost[0])
+        publisher.store.release(handle, reason="checked")
+        want = stream_tensors(tensors[0])
+        assert set(got) == set(want)
+        for name, t in want.items():
+            assert torch.equal(got[name], t), name
+        assert [r.sample_id for r in recovery.lost_refs(publisher, EPOCH)] == IDS[1:2]
+        assert publisher.put(IDS[1], tensors[1]) > 0  # the re-run's put restores it
+        assert recovery.lost_refs(publisher, EPOCH) == []
+
+
+def test_a_recomputation_that_differs_from_the_published_ref_is_refused(tmp_path):
+    tensors = samples()
+    plane = Plane(tmp_path / "stream", segment_bytes=64 << 20)
+    with plane as info:
+        publisher = Publisher(info)
+        publisher.put(IDS[0], tensors[0])
+        plane.restart_holder()
+        [ref] = recovery.lost_refs(publisher, EPOCH)
+        with pytest.raises(BadInput, match=r"A1/s0@e1 feature 'input_ids'"):
+            recovery.restore(publisher, ref, tensors[1])  # another sample's length
+        assert recovery.lost_refs(publisher, EPOCH) == [ref]  # nothing was put
+
+
+def wait_checkpoint(db_path: Path, output_dir: Path, store_id: str, step: int, proc) -> Path:
+    """Until `step` optimizer steps are durable and -latest points at their checkpoint (as
+    tests/test_stream_consumer.py's resume test waits)."""
+    from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
+
+    db = SQLiteMetadataStore(str(db_path))
+    checkpoint = output_dir / f"{store_id}-step{step}"
+    latest = output_dir / f"{store_id}-latest"
+    wait_until(lambda: (db.durable_marker()["global_step"] == step
+                        and latest.resolve() == checkpoint.resolve())
+               or proc.poll() is not None, timeout_s=CONSUMER_HANG_S,
+               what=f"{step} durable optimizer steps and their checkpoint")
+    assert proc.poll() is None
+    return checkpoint
+
+
+def test_a_sigkilled_holder_leaves_each_sample_trained_once(tmp_path, handoff_config,  # noqa: F811
+                                                            redis_url):
+    """Two samples trained; two more published through the sink while the holder is SIGKILLed
+    (their refs reach the channel after the holder is gone, so the consumer reads none of their
+    bytes first). The stock consumer fails on the lost bytes, a resume alone fails again on the
+    same refs; the sink's recovery puts the recomputed states back and the resumed consumer
+    trains each sample once."""
+    from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
+
+    tensors = dict(zip(IDS, samples(), strict=True))
+    plane = Plane(tmp_path / "stream", segment_bytes=256 << 20)
+    with plane as info:
+        body = sc.consumer_config(sc.read_handoff_config(handoff_config), info, samples=N,
+                                  cpu=True, save_interval=1)
+        config = sc.write_consumer_config(plane.dir, body)
+        output_dir = Path(body["output_dir"])
+        log = tmp_path / "consumer.log"
+        proc = start_consumer(config, log)
+        try:
+            publisher = Publisher(info)
+            wait_consumer_up(publisher, proc, log)
+            ledger = StreamLedger(connect(redis_url), EPOCH)
+            sink = StreamSink(publisher, ledger, BOUND)
+            for sid in IDS[:2]:
+                sink.put(sid, tensors[sid])
+            checkpoint = wait_checkpoint(info.db_path, output_dir, info.store_id, 2, proc)
+
+            publish = publisher.channel.publish
+            held: list = []
+            publisher.channel.publish = held.append  # the refs wait for the holder's death
+            for sid in IDS[2:]:
+                sink.put(sid, tensors[sid])
+            plane.restart_holder()
+            for ref in held:
+                publish(ref)
+            publisher.channel.publish = publish
+
+            # what the stock consumer does: fails on the first ref whose bytes are gone
+            assert proc.wait(timeout=CONSUMER_HANG_S) == 1
+            failure = publisher.channel.consumer_failure()
+            assert "KeyError" in failure and IDS[2] in failure, failure
+            assert publisher.acked() == set(IDS[:2])
+            # resumed alone, it requeues the same committed refs and fails on them again
+            proc = start_consumer(config, log, f"training.resume_from={checkpoint}")
+            assert proc.wait(timeout=CONSUMER_HANG_S) == 1
+            assert publisher.acked() == set(IDS[:2])
+
+            assert [r.sample_id for r in recovery.lost_refs(publisher, EPOCH)] == IDS[2:]
+            assert sink.put(IDS[2], tensors[IDS[2]]) > 0  # a re-run's put restores its bytes
+            assert sink.recover(tensors.__getitem__) == IDS[3:]
+            assert recovery.lost_refs(publisher, EPOCH) == []
+
+            proc = start_consumer(config, log, f"training.resume_from={checkpoint}")
+            publisher.close()
+            assert proc.wait(timeout=CONSUMER_HANG_S) == 0, log.read_text()[-4000:]
+        finally:
+            kill_group(proc)
+        assert publisher.consumer_done()
+        # the witness: every sample acked once under its one id, none trained twice (a replay
+        # would take a step of its own: 4 steps for 4 samples)
+        assert sorted(acked_rows(info.db_path)) == IDS
+        db = SQLiteMetadataStore(str(info.db_path))
+        assert sorted(db.all_committed_ids()) == IDS
+        marker = db.durable_marker()
+        assert marker["global_step"] == N and marker["optimizer_durable"]
+        sink.refresh_acks()
+        counts = ledger.counts()
+        assert (counts.published, counts.acked, counts.resident_bytes) == (N, N, 0)
+        wait_until(lambda: key_count(info) == 0, timeout_s=60, what="the store to empty")
