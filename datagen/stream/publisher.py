@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from datagen.errors import BadInput, ConsumerFailed
+from datagen.stream import recovery
 from datagen.stream.plane import PlaneInfo
 
 TRAIN_DTYPE = torch.bfloat16
@@ -94,9 +95,8 @@ class Publisher:
         """The bytes the sample holds in the store; 0 for an id already published, unless a
         lost segment holder took its bytes (recovery.py: put back under its ref)."""
         if sample_id in self._published:
-            from datagen.stream.recovery import restore_if_lost
-
-            return restore_if_lost(self, sample_id, tensors)
+            return recovery.restore_if_lost(self.store, self.channel_path, self.acked(),
+                                            sample_id, stream_tensors(tensors))
         streamed = stream_tensors(tensors)
         ref = self.store.put(streamed, sample_id=sample_id, metadata={
             "strategy": STRATEGY, "schema_version": SCHEMA_VERSION,
@@ -105,6 +105,11 @@ class Publisher:
         self.channel.publish(ref)
         self._published.add(sample_id)
         return int(ref.estimated_bytes)
+
+    def lost_ids(self, epoch: int) -> list[str]:
+        """The epoch's published, unacknowledged ids whose bytes a lost holder took."""
+        return [r.sample_id for r in recovery.lost_refs(self.store, self.channel_path,
+                                                        self.acked(), epoch)]
 
     def acked(self) -> set[str]:
         """Sample ids the consumer acknowledged (its consumer.sqlite durable marker)."""

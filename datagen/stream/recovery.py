@@ -21,12 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from datagen.errors import BadInput
-from datagen.stream.publisher import stream_tensors
+from datagen.stream.ledger import in_epoch
 
 if TYPE_CHECKING:
     import torch
-
-    from datagen.stream.publisher import Publisher
 
 Recompute = Callable[[str], "dict[str, torch.Tensor]"]  # sample id -> the file build's tensors
 
@@ -43,6 +41,7 @@ def published_refs(channel_path: str | Path) -> list[Any]:
 
 
 def feature_key(store: Any, ref: Any, name: str) -> str:
+    """SpecForge 0.2.0's key of one feature: <store_id>/<sample_id>/g<generation>/<name>."""
     return str(store._tkey(ref.sample_id, int(ref.metadata["generation"]), name))
 
 
@@ -51,19 +50,16 @@ def readable(store: Any, ref: Any) -> bool:
     return all(store._store_exists(feature_key(store, ref, n)) for n in ref.feature_specs)
 
 
-def lost_refs(publisher: Publisher, epoch: int) -> list[Any]:
-    """This epoch's published refs the consumer has not acknowledged whose bytes are gone."""
-    from datagen.stream.ledger import in_epoch
-
-    acked = publisher.acked()
-    return [ref for ref in published_refs(publisher.channel_path)
+def lost_refs(store: Any, channel_path: str | Path, acked: set[str], epoch: int) -> list[Any]:
+    """The epoch's published refs the consumer has not acknowledged whose bytes are gone."""
+    return [ref for ref in published_refs(channel_path)
             if in_epoch(ref.sample_id, epoch) and ref.sample_id not in acked
-            and not readable(publisher.store, ref)]
+            and not readable(store, ref)]
 
 
-def restore(publisher: Publisher, ref: Any, tensors: dict[str, torch.Tensor]) -> int:
-    """Put recomputed states back under the ref's own keys; the bytes put."""
-    streamed = stream_tensors(tensors)
+def restore(store: Any, ref: Any, streamed: dict[str, torch.Tensor]) -> int:
+    """Put recomputed states (the stream's names) back under the ref's own keys; the bytes
+    put. Refused, nothing put, when they are not the shapes and dtypes the ref names."""
     for name, spec in ref.feature_specs.items():
         t = streamed.get(name)
         if t is None or list(t.shape) != list(spec.shape) \
@@ -75,25 +71,16 @@ def restore(publisher: Publisher, ref: Any, tensors: dict[str, torch.Tensor]) ->
     size = 0
     for name in ref.feature_specs:
         t = streamed[name].contiguous()
-        publisher.store._store_put_tensor(feature_key(publisher.store, ref, name), t)
+        store._store_put_tensor(feature_key(store, ref, name), t)
         size += t.numel() * t.element_size()
     return size
 
 
-def restore_if_lost(publisher: Publisher, sample_id: str,
-                    tensors: dict[str, torch.Tensor]) -> int:
-    """A re-put of a published id (a gpu worker re-running a shard): its states back under
-    its ref if the holder lost them and the consumer has not acknowledged it; else 0."""
-    if sample_id in publisher.acked():
+def restore_if_lost(store: Any, channel_path: str | Path, acked: set[str], sample_id: str,
+                    streamed: dict[str, torch.Tensor]) -> int:
+    """A re-put of a published id: its states back under its ref if the holder lost them and
+    the consumer has not acknowledged it; else 0 (nothing to do)."""
+    if sample_id in acked:
         return 0
-    refs = [r for r in published_refs(publisher.channel_path) if r.sample_id == sample_id]
-    lost = [r for r in refs if not readable(publisher.store, r)]
-    return sum(restore(publisher, r, tensors) for r in lost)
-
-
-def recover_lost(publisher: Publisher, epoch: int, recompute: Recompute) -> list[str]:
-    """Restore every lost, unacknowledged sample of the epoch; the ids restored."""
-    lost = lost_refs(publisher, epoch)
-    for ref in lost:
-        restore(publisher, ref, recompute(ref.sample_id))
-    return [ref.sample_id for ref in lost]
+    refs = [r for r in published_refs(channel_path) if r.sample_id == sample_id]
+    return sum(restore(store, r, streamed) for r in refs if not readable(store, r))

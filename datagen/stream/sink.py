@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from datagen.stream.recovery import Recompute
 
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a full store re-reads the consumer's acks
@@ -36,6 +37,7 @@ class Publisher(Protocol):
 
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> int: ...
     def acked(self) -> set[str]: ...
+    def lost_ids(self, epoch: int) -> list[str]: ...
     def consumer_done(self) -> bool: ...
 
 
@@ -88,12 +90,14 @@ class StreamSink:
 
     def recover(self, recompute: Recompute) -> list[str]:
         """After a segment holder was lost: this epoch's published, unacknowledged samples
-        whose bytes are gone, recomputed and put back under their refs (recovery.py). The
-        ledger is unchanged: each stays one published sample, its room still reserved."""
-        from datagen.stream.recovery import recover_lost
-
+        whose bytes are gone, recomputed and put again, which puts them back under their refs
+        (recovery.py). The ledger is unchanged: each stays one published sample, its room
+        still reserved until the consumer acknowledges it."""
         with self._lock:
-            return recover_lost(self.publisher, self.epoch, recompute)  # type: ignore[arg-type]
+            lost = self.publisher.lost_ids(self.epoch)
+            for sid in lost:
+                self.publisher.put(sid, recompute(sid))
+        return lost
 
     def refresh_acks(self) -> int:
         return self.ledger.acked(self.publisher.acked())

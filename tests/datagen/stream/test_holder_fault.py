@@ -38,6 +38,10 @@ IDS = [f"A1/s{i}@e{EPOCH}" for i in range(N)]
 BOUND = 1 << 20
 
 
+def lost_refs(publisher: Publisher) -> list:
+    return recovery.lost_refs(publisher.store, publisher.channel_path, publisher.acked(), EPOCH)
+
+
 def test_the_lost_bytes_are_found_and_put_back_under_the_published_refs(tmp_path):
     """No consumer: both published samples are lost with the holder; a restored one reads back
     byte-equal through SpecForge's own get(), a re-put of the other restores it too."""
@@ -47,22 +51,22 @@ def test_the_lost_bytes_are_found_and_put_back_under_the_published_refs(tmp_path
         publisher = Publisher(info)
         for sid, t in zip(IDS[:2], tensors[:2], strict=True):
             assert publisher.put(sid, t) > 0
-        assert recovery.lost_refs(publisher, EPOCH) == []
+        assert publisher.lost_ids(EPOCH) == []
         assert publisher.put(IDS[0], tensors[0]) == 0  # readable: a re-put stores nothing
         plane.restart_holder()
-        lost = recovery.lost_refs(publisher, EPOCH)
+        lost = lost_refs(publisher)
         assert [r.sample_id for r in lost] == IDS[:2]
-        assert recovery.lost_refs(publisher, EPOCH + 1) == []  # another epoch's: none
-        assert recovery.restore(publisher, lost[0], tensors[0]) > 0
+        assert publisher.lost_ids(EPOCH + 1) == []  # another epoch's: none
+        assert recovery.restore(publisher.store, lost[0], stream_tensors(tensors[0])) > 0
         got, handle = publisher.store.get(lost[0])
         publisher.store.release(handle, reason="checked")
         want = stream_tensors(tensors[0])
         assert set(got) == set(want)
         for name, t in want.items():
             assert torch.equal(got[name], t), name
-        assert [r.sample_id for r in recovery.lost_refs(publisher, EPOCH)] == IDS[1:2]
+        assert publisher.lost_ids(EPOCH) == IDS[1:2]
         assert publisher.put(IDS[1], tensors[1]) > 0  # the re-run's put restores it
-        assert recovery.lost_refs(publisher, EPOCH) == []
+        assert publisher.lost_ids(EPOCH) == []
 
 
 def test_a_recomputation_that_differs_from_the_published_ref_is_refused(tmp_path):
@@ -72,10 +76,11 @@ def test_a_recomputation_that_differs_from_the_published_ref_is_refused(tmp_path
         publisher = Publisher(info)
         publisher.put(IDS[0], tensors[0])
         plane.restart_holder()
-        [ref] = recovery.lost_refs(publisher, EPOCH)
+        [ref] = lost_refs(publisher)
+        other = stream_tensors(tensors[1])  # another sample's length
         with pytest.raises(BadInput, match=r"A1/s0@e1 feature 'input_ids'"):
-            recovery.restore(publisher, ref, tensors[1])  # another sample's length
-        assert recovery.lost_refs(publisher, EPOCH) == [ref]  # nothing was put
+            recovery.restore(publisher.store, ref, other)
+        assert lost_refs(publisher) == [ref]  # nothing was put
 
 
 def wait_checkpoint(db_path: Path, output_dir: Path, store_id: str, step: int, proc) -> Path:
@@ -141,10 +146,10 @@ def test_a_sigkilled_holder_leaves_each_sample_trained_once(tmp_path, handoff_co
             assert proc.wait(timeout=CONSUMER_HANG_S) == 1
             assert publisher.acked() == set(IDS[:2])
 
-            assert [r.sample_id for r in recovery.lost_refs(publisher, EPOCH)] == IDS[2:]
+            assert publisher.lost_ids(EPOCH) == IDS[2:]
             assert sink.put(IDS[2], tensors[IDS[2]]) > 0  # a re-run's put restores its bytes
             assert sink.recover(tensors.__getitem__) == IDS[3:]
-            assert recovery.lost_refs(publisher, EPOCH) == []
+            assert publisher.lost_ids(EPOCH) == []
 
             proc = start_consumer(config, log, f"training.resume_from={checkpoint}")
             publisher.close()
