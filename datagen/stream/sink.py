@@ -99,6 +99,15 @@ class StreamSink:
                 self.publisher.put(sid, recompute(sid))
         return lost
 
+    def forget_lost(self) -> list[str]:
+        """After a segment holder was lost: this epoch's lost samples leave the ledger's
+        published list, so the extraction's re-run of their shards recomputes their states
+        from their records (a prefill) and its put restores them under their refs."""
+        with self._lock:
+            lost = self.publisher.lost_ids(self.epoch)
+            self.ledger.forget(lost)
+        return lost
+
     def refresh_acks(self) -> int:
         return self.ledger.acked(self.publisher.acked())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_sink as ts
 import torch
 from conftest import wait_until
 from test_stream_consumer import (  # noqa: F401
@@ -36,6 +37,9 @@ from datagen.stream.sink import StreamSink
 EPOCH = 1
 IDS = [f"A1/s{i}@e{EPOCH}" for i in range(N)]
 BOUND = 1 << 20
+
+
+model, shard = ts.model, ts.shard  # the tiny Llama and its shard of records
 
 
 def lost_refs(publisher: Publisher) -> list:
@@ -168,3 +172,41 @@ def test_a_sigkilled_holder_leaves_each_sample_trained_once(tmp_path, handoff_co
         counts = ledger.counts()
         assert (counts.published, counts.acked, counts.resident_bytes) == (N, N, 0)
         wait_until(lambda: key_count(info) == 0, timeout_s=60, what="the store to empty")
+
+
+def read(info, ref) -> dict[str, torch.Tensor]:
+    """A sample's tensors as a consumer reads them: a store of its own, by the ref (not
+    released: a release would free them)."""
+    from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
+
+    reader = MooncakeFeatureStore(store_id=info.store_id, setup_kwargs=info.setup_kwargs())
+    return reader.get(ref)[0]
+
+
+def test_the_extraction_re_run_recomputes_the_lost_samples_from_their_records(
+        model, shard, tmp_path, redis_url):
+    """hf extraction streams a shard; the holder is SIGKILLed; forget_lost drops the lost ids
+    from the ledger's published list and the shard's re-run recomputes exactly those by
+    prefill, its puts restore them under their refs, byte-equal to the first run's states."""
+    plane = Plane(tmp_path / "stream", segment_bytes=64 << 20)
+    with plane as info:
+        publisher = Publisher(info)
+        ledger = StreamLedger(connect(redis_url), EPOCH)
+        sink = StreamSink(publisher, ledger, 1 << 30)
+        assert ts.streamed(model, tmp_path / "out", shard, sink).written == ts.N
+        ids = sorted(ledger.published_ids())
+        refs = recovery.published_refs(info.channel_path)
+        first = {ref.sample_id: read(info, ref) for ref in refs}
+        plane.restart_holder()
+        assert sorted(publisher.lost_ids(EPOCH)) == ids
+        assert sorted(sink.forget_lost()) == ids
+        assert ledger.published_ids() == set()
+        again = ts.streamed(model, tmp_path / "out", shard, sink)
+        assert again.written == ts.N and again.skipped_done == 0
+        assert publisher.lost_ids(EPOCH) == []
+        assert sorted(ledger.published_ids()) == ids
+        assert recovery.published_refs(info.channel_path) == refs  # no ref published twice
+        for ref in refs:
+            got = read(info, ref)
+            for name, t in first[ref.sample_id].items():
+                assert torch.equal(got[name], t), (ref.sample_id, name)
