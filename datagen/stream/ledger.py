@@ -69,6 +69,13 @@ class StreamLedger:
     def published(self, sample_id: str, nbytes: int) -> None:
         self.r.hset(self.published_key, sample_id, nbytes)
 
+    def forget(self, sample_ids: Iterable[str]) -> None:
+        """No longer published (their bytes were lost with a segment holder): the extraction's
+        re-run recomputes them; their room stays reserved (reserve.lua keeps a reserved id's)."""
+        ids = list(sample_ids)
+        if ids:
+            self.r.hdel(self.published_key, *ids)
+
     def is_published(self, sample_id: str) -> bool:
         return bool(self.r.hexists(self.published_key, sample_id))
 

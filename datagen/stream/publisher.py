@@ -10,7 +10,9 @@ stream's names differ from the ``.ckpt``'s: ``hidden_state`` is the file's
 
 Idempotent per sample id: a publisher remembers every id on the channel (it reads the channel
 when it opens, so a publisher that replaces a dead one knows what that one published) and a
-second put of one publishes nothing and stores nothing. Two publishers racing on one id both
+second put of one publishes nothing and stores nothing — unless a SIGKILLed segment holder
+took the sample's bytes before the consumer acknowledged it: then the put restores them under
+the published ref's keys (datagen/stream/recovery.py). Two publishers racing on one id both
 publish; the consumer's SQLite ledger commits the first and drops the second
 (``commit_samples`` dedups by sample id: tests/datagen/stream/test_plane_publisher.py).
 
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from datagen.errors import BadInput, ConsumerFailed
+from datagen.stream import recovery
 from datagen.stream.plane import PlaneInfo
 
 TRAIN_DTYPE = torch.bfloat16
@@ -143,9 +146,11 @@ class Publisher:
             time.sleep(0.1)
 
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> int:
-        """The bytes the sample holds in the store; 0 for an id already published."""
+        """The bytes the sample holds in the store; 0 for an id already published, unless a
+        lost segment holder took its bytes (recovery.py: put back under its ref)."""
         if sample_id in self._published:
-            return 0
+            return recovery.restore_if_lost(self.store, self.channel_path, self.acked(),
+                                            sample_id, stream_tensors(tensors))
         streamed = stream_tensors(tensors)
         ref = self.store.put(streamed, sample_id=sample_id, metadata={
             "strategy": STRATEGY, "schema_version": SCHEMA_VERSION,
@@ -156,6 +161,11 @@ class Publisher:
         _append(self.plane.dir / WITNESS_NAME,
                 witness_line(sample_id, streamed, int(ref.estimated_bytes)))
         return int(ref.estimated_bytes)
+
+    def lost_ids(self, epoch: int) -> list[str]:
+        """The epoch's published, unacknowledged ids whose bytes a lost holder took."""
+        return [r.sample_id for r in recovery.lost_refs(self.store, self.channel_path,
+                                                        self.acked(), epoch)]
 
     def acked(self) -> set[str]:
         """Sample ids the consumer acknowledged (its consumer.sqlite durable marker)."""

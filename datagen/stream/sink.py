@@ -24,6 +24,9 @@ from datagen.stream.ledger import StreamLedger
 if TYPE_CHECKING:
     import torch
 
+    from datagen.stream.recovery import Recompute
+
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often a full store re-reads the consumer's acks
@@ -34,6 +37,7 @@ class Publisher(Protocol):
 
     def put(self, sample_id: str, tensors: dict[str, torch.Tensor]) -> int: ...
     def acked(self) -> set[str]: ...
+    def lost_ids(self, epoch: int) -> list[str]: ...
     def consumer_done(self) -> bool: ...
 
 
@@ -83,6 +87,26 @@ class StreamSink:
                             size, need)
             self.ledger.published(sid, size)
         return size
+
+    def recover(self, recompute: Recompute) -> list[str]:
+        """After a segment holder was lost: this epoch's published, unacknowledged samples
+        whose bytes are gone, recomputed and put again, which puts them back under their refs
+        (recovery.py). The ledger is unchanged: each stays one published sample, its room
+        still reserved until the consumer acknowledges it."""
+        with self._lock:
+            lost = self.publisher.lost_ids(self.epoch)
+            for sid in lost:
+                self.publisher.put(sid, recompute(sid))
+        return lost
+
+    def forget_lost(self) -> list[str]:
+        """After a segment holder was lost: this epoch's lost samples leave the ledger's
+        published list, so the extraction's re-run of their shards recomputes their states
+        from their records (a prefill) and its put restores them under their refs."""
+        with self._lock:
+            lost = self.publisher.lost_ids(self.epoch)
+            self.ledger.forget(lost)
+        return lost
 
     def refresh_acks(self) -> int:
         return self.ledger.acked(self.publisher.acked())
