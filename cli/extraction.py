@@ -17,7 +17,7 @@ import redis
 
 from config.settings import Settings
 from datagen.celery_app import EXTRACT_TASK, make_app
-from datagen.errors import PermanentError
+from datagen.errors import PermanentError, StreamUnavailable
 from datagen.extraction import ledger as xlm
 from datagen.extraction import runner, tally
 from datagen.extraction.estimate import (
@@ -171,6 +171,8 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     manifest = training_set.read_manifest(training_set.training_dir(settings.output_dir))
     shards = xlm.shard_states(manifest, settings)
     xl = xlm.ExtractionLedger(_ledger(settings).r)
+    if settings.states_to == "stream":
+        _reopen_lost(settings, xl, shards)
     done, dead, todo = xlm.split_shards(shards, xl)
     out = training_set.extraction_dir(settings)
     if not todo and not dead:
@@ -198,6 +200,32 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
         return 0
     return _hand_off(settings, shards, follow_extraction(xl, app, shards, args.interval,
                                                          args.timeout_s, out, settings))
+
+
+def _reopen_lost(settings: Settings, xl: xlm.ExtractionLedger,
+                 shards: list[xlm.ShardState]) -> None:
+    """A segment holder lost since the last run took samples' states: their shards run again
+    and restore them under their refs (datagen/stream/reopen.py)."""
+    folder = stream_ledger.stream_dir(settings)
+    if not (folder / "plane.json").exists():
+        return  # no plane yet: nothing was published
+    from datagen.stream.publisher import Publisher  # noqa: PLC0415 (loads torch)
+    from datagen.stream.reopen import reopen_lost  # noqa: PLC0415
+    from datagen.stream.sink import StreamSink  # noqa: PLC0415
+
+    try:
+        publisher = Publisher(PlaneInfo.read(folder))
+    except Exception as exc:  # Mooncake's own errors: the plane is not there to stream into
+        raise StreamUnavailable(f"the stream's plane ({folder / 'plane.json'}) does not answer "
+                                f"({type(exc).__name__}: {exc}): start `datagen stream`") from exc
+    sink = StreamSink(publisher, stream_ledger.StreamLedger(xl.r, settings.stream_epoch),
+                      settings.stream_resident_bytes)
+    lost, reopened = reopen_lost(sink, xl, shards, settings.output_dir)
+    if lost:
+        print(f"{len(lost)} published samples of epoch {settings.stream_epoch} lost their states "
+              f"with a segment holder: {len(reopened)} shards run again and put them back "
+              "under their refs; a consumer that failed on them resumes from its checkpoint "
+              "(training.resume_from)", flush=True)
 
 
 def _hand_off(settings: Settings, shards: list[xlm.ShardState], code: int) -> int:

@@ -106,6 +106,12 @@ class ExtractionLedger:
             pipe.hdel(RUNNING, shard)
             pipe.execute()
 
+    def reopen(self, shards: Iterable[str]) -> None:
+        """Done shards to run again (a stream's lost samples: their states to recompute)."""
+        names = list(shards)
+        if names:
+            self.r.hdel(DONE, *names)
+
     def forget_dead(self, shards: Iterable[str]) -> None:
         names = list(shards)
         if names:

@@ -210,3 +210,37 @@ def test_the_extraction_re_run_recomputes_the_lost_samples_from_their_records(
             got = read(info, ref)
             for name, t in first[ref.sample_id].items():
                 assert torch.equal(got[name], t), (ref.sample_id, name)
+
+
+def test_extract_reopens_exactly_the_done_shards_whose_samples_the_holder_took(
+        model, shard, tmp_path, redis_url):
+    """What `datagen extract` does first in a stream (reopen.reopen_lost): the lost ids leave
+    the ledger's published list and the done shards holding them are run again; a shard
+    whose samples all survived (here: one of other records) stays done."""
+    from datagen.extraction.ledger import ExtractionLedger, ShardState
+    from datagen.stream.reopen import reopen_lost
+
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"idx": 99, "id": "x", "dataset": "B2", "prompt_ids": [1], '
+                     '"output_ids": [2]}\n')
+    shards = [ShardState(shard.name, ts.N, 0, "sha-a"), ShardState(other.name, 1, 0, "sha-b")]
+    xl = ExtractionLedger(connect(redis_url))
+    for s in shards:
+        xl.mark_done(s.path, {"sha256": s.sha256}, 0)
+    plane = Plane(tmp_path / "stream", segment_bytes=64 << 20)
+    with plane as info:
+        publisher = Publisher(info)
+        ledger = StreamLedger(connect(redis_url), EPOCH)
+        sink = StreamSink(publisher, ledger, 1 << 30)
+        assert ts.streamed(model, tmp_path / "out", shard, sink).written == ts.N
+        assert reopen_lost(sink, xl, shards, shard.parent) == ([], [])  # nothing lost yet
+        ids = sorted(ledger.published_ids())
+
+        plane.restart_holder()
+        lost, reopened = reopen_lost(sink, xl, shards, shard.parent)
+
+        assert sorted(lost) == ids and reopened == [shard.name]
+        assert not xl.is_done(shard.name, "sha-a") and xl.is_done(other.name, "sha-b")
+        assert ledger.published_ids() == set()
+        again = ts.streamed(model, tmp_path / "out", shard, sink)
+        assert again.written == ts.N and publisher.lost_ids(EPOCH) == []
