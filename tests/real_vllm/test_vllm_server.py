@@ -485,7 +485,8 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
         stack, vllm, model[0], dataset, [(f"c{i}", f"Tell me about topic {i}") for i in range(8)],
         sampling_params={"temperature": 0, "ignore_eos": True}, short_concurrency=4,
         short_max_tokens=cap, abort_on_close=True, precise_admission=False,
-        read_timeout_s=600.0, lease_s=60.0)
+        read_timeout_s=600.0, lease_s=60.0,
+        log_each_task=True)  # Celery's per-task "succeeded" lines carry each outcome
     stack.worker("short")
     stack.wait_workers(1)
     ledger, app = stack.ledger(), stack.app()
