@@ -183,6 +183,15 @@ def read(info, ref) -> dict[str, torch.Tensor]:
     return reader.get(ref)[0]
 
 
+def streamed_shard(info, redis_url, model, tmp_path, shard):
+    """The shard extracted (`hf`) into the plane through a sink: (publisher, ledger, sink)."""
+    publisher = Publisher(info)
+    ledger = StreamLedger(connect(redis_url), EPOCH)
+    sink = StreamSink(publisher, ledger, 1 << 30)
+    assert ts.streamed(model, tmp_path / "out", shard, sink).written == ts.N
+    return publisher, ledger, sink
+
+
 def test_the_extraction_re_run_recomputes_the_lost_samples_from_their_records(
         model, shard, tmp_path, redis_url):
     """hf extraction streams a shard; the holder is SIGKILLed; forget_lost drops the lost ids
@@ -190,10 +199,7 @@ def test_the_extraction_re_run_recomputes_the_lost_samples_from_their_records(
     prefill, its puts restore them under their refs, byte-equal to the first run's states."""
     plane = Plane(tmp_path / "stream", segment_bytes=64 << 20)
     with plane as info:
-        publisher = Publisher(info)
-        ledger = StreamLedger(connect(redis_url), EPOCH)
-        sink = StreamSink(publisher, ledger, 1 << 30)
-        assert ts.streamed(model, tmp_path / "out", shard, sink).written == ts.N
+        publisher, ledger, sink = streamed_shard(info, redis_url, model, tmp_path, shard)
         ids = sorted(ledger.published_ids())
         refs = recovery.published_refs(info.channel_path)
         first = {ref.sample_id: read(info, ref) for ref in refs}
@@ -229,10 +235,7 @@ def test_extract_reopens_exactly_the_done_shards_whose_samples_the_holder_took(
         xl.mark_done(s.path, {"sha256": s.sha256}, 0)
     plane = Plane(tmp_path / "stream", segment_bytes=64 << 20)
     with plane as info:
-        publisher = Publisher(info)
-        ledger = StreamLedger(connect(redis_url), EPOCH)
-        sink = StreamSink(publisher, ledger, 1 << 30)
-        assert ts.streamed(model, tmp_path / "out", shard, sink).written == ts.N
+        publisher, ledger, sink = streamed_shard(info, redis_url, model, tmp_path, shard)
         assert reopen_lost(sink, xl, shards, shard.parent) == ([], [])  # nothing lost yet
         ids = sorted(ledger.published_ids())
 
