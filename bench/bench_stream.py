@@ -13,7 +13,7 @@ its target config, draft config and vocab mapping (the project's handoff). Three
   rename, fsync the folder), as the extractor writes them.
 - ``consumer``: a ``StreamSink`` (Redis ledger, resident bound) puts each sample through the
   plane's ``Publisher`` into the real Mooncake store (mooncake_master + segment holder on
-  loopback) and the stock ``specforge train --role consumer`` (tests/specforge_cpu_consumer.py:
+  loopback) and the stock ``specforge train --role consumer`` (datagen/stream/cpu_consumer.py:
   SpecForge's CLI with its Triton loss swapped for the torch formula of the same file, a CPU
   stand-in) trains one optimizer step a sample on the tiny draft model and acknowledges it.
 - ``store``: the same sink, plane and Publisher, and a consumer stand-in thread that only
@@ -54,6 +54,7 @@ from datagen.extraction.files import Sample, sample_tensors, save_atomic  # noqa
 from datagen.generation.ledger import connect  # noqa: E402
 from datagen.redis_server import RedisServer  # noqa: E402
 from datagen.stream import consumer as sc  # noqa: E402
+from datagen.stream import cpu_consumer  # noqa: E402
 from datagen.stream.ledger import StreamLedger  # noqa: E402
 from datagen.stream.plane import Plane, PlaneInfo, metrics  # noqa: E402
 from datagen.stream.publisher import Publisher  # noqa: E402
@@ -62,7 +63,6 @@ from datagen.stream.sink import StreamSink, stream_bytes  # noqa: E402
 VOCAB = 300
 LAYERS = 8
 AUX = [1, 3, 4]  # SpecForge's default for 8 layers
-LAUNCHER = REPO / "tests" / "specforge_cpu_consumer.py"
 HANG_S = 1800  # bounds a hung consumer only
 # A release inside the get's Mooncake read lease cannot remove the keys (-706): SpecForge
 # parks them and its FeatureDataLoader retries them with store.gc() every 15 s (its default)
@@ -215,12 +215,7 @@ class StandInPublisher:
 
 
 def start_consumer(config: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(log, "ab") as fh:
-        return subprocess.Popen([sys.executable, str(LAUNCHER), "train", "--config",
-                                 str(config), "--role", "consumer"], stdout=fh,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return cpu_consumer.start(config, log)
 
 
 def wait_for(done: Any, what: str, proc: subprocess.Popen[bytes] | None = None,

@@ -26,6 +26,10 @@ states while it generates (``capture_states``), the workers check them before th
 the training folder is built from those files by the `captured` backend, with no extraction
 forward pass (``config/demo-vllm.toml``: the caps and budgets of ``--server sglang``). The
 demo ends with the time of each phase, saying which backend built the folder.
+
+``--stream`` (``make demo STREAM=1``) writes no state files: the states go straight into
+SpecForge's stock consumer through its Mooncake data plane, two epochs, the second recomputed
+by prefill (``cli/demo_stream.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pathlib import Path
 import redis
 
 from cli import sglang, vllm
+from cli.demo_stream import EPOCHS, run_stream
 from cli.extraction import EXIT_INCOMPLETE, cmd_extract, committed_maps, decoder
 from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
@@ -86,7 +91,8 @@ def run_demo(args: argparse.Namespace) -> int:
     # server and workers: each runs in a session of its own and would outlive the demo.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     server = getattr(args, "server", "simulator")
-    if refused := _refusal(server, getattr(args, "extract", "hf")):
+    if refused := _refusal(server, getattr(args, "extract", "hf"),
+                           getattr(args, "stream", False)):
         print(refused)
         return 2
     config = CONFIGS[server]
@@ -99,8 +105,11 @@ def run_demo(args: argparse.Namespace) -> int:
         return _run(args, server, config, workdir, started)
 
 
-def _refusal(server: str, extract: str) -> str | None:
+def _refusal(server: str, extract: str, stream: bool = False) -> str | None:
     """One line when this machine cannot run the asked demo, else None."""
+    if stream and (server == "vllm" or extract == "vllm"):
+        return ("demo --stream extracts with transformers (`hf`) into the stream, two "
+                "epochs: it runs with --server simulator or sglang and --extract hf")
     if server == "sglang" and sglang.unavailable_reason():
         return f"demo --server sglang: {sglang.unavailable_reason()}"
     if server == "vllm" and vllm.unavailable_reason():
@@ -168,10 +177,16 @@ def _run(args: argparse.Namespace, server_name: str, config: Path, workdir: Path
             os.environ.update(env)
             if not real:  # the real server served it already
                 _build_model(workdir, tokenizer, encoder.vocab_size, vllm_extract)  # checked
-            print(_extraction_banner(server_name, vllm_extract), flush=True)
-            procs.append(start_worker("gpu", child_env(env), logs))
-            code = _extract(started, config, timeout_s=900 if vllm_extract else 240)
-            print(_phases(started, generated, extraction_dir(load_settings(config))))
+            if getattr(args, "stream", False):
+                code = run_stream(config, env, logs, procs, timeout_s=1800)
+                print(f"phases: generation {generated - started:.0f}s (the server's start "
+                      f"included); the stream's {EPOCHS} epochs "
+                      f"{time.monotonic() - generated:.0f}s, no state files")
+            else:
+                print(_extraction_banner(server_name, vllm_extract), flush=True)
+                procs.append(start_worker("gpu", child_env(env), logs))
+                code = _extract(started, config, timeout_s=900 if vllm_extract else 240)
+                print(_phases(started, generated, extraction_dir(load_settings(config))))
             if died:
                 print(f"demo: {died} samples were dead-lettered in generation (reasons above; "
                       "`datagen dead` lists them): the demo did not succeed")

@@ -177,10 +177,11 @@ def cmd_extract(settings: Settings, args: argparse.Namespace) -> int:
     out = training_set.extraction_dir(settings)
     if not todo and not dead:
         print(f"all {len(shards)} shards done ({manifest['samples']:,} samples, "
-              f"{manifest['tokens']:,} tokens): nothing to enqueue; files under {out}")
+              f"{manifest['tokens']:,} tokens): nothing to enqueue; {_where(settings, out)}")
         # the same exit as when it followed them to the end: 3 if any sample was dead-lettered
         # (a replica can finish the last shard before this command looks)
-        return _hand_off(settings, shards, _finished(xl, shards, done, dead, 0.0, out))
+        finished = _finished(xl, shards, done, dead, 0.0, out, _where(settings, out))
+        return _hand_off(settings, shards, finished)
     todo += dead  # a new `extract` gives dead-lettered shards another chance
     hidden = args.hidden_size or model_shape(settings.model_path)[0]
     need = 0 if settings.states_to == "stream" else check_disk(
@@ -296,7 +297,8 @@ def follow_extraction(xl: xlm.ExtractionLedger, app: Any, shards: list[xlm.Shard
         first = first if first is not None else tokens
         now = time.monotonic()
         if not todo:
-            return _finished(xl, shards, done, dead, now - started, out)
+            return _finished(xl, shards, done, dead, now - started, out,
+                             _where(settings, out))
         if last_line is None or now - last_line >= max(interval, 10.0):
             last_line = now
             print(_extract_line(len(done), len(shards), tokens, shards, first, now - started),
@@ -322,16 +324,23 @@ def _resend_lost(xl: xlm.ExtractionLedger, app: Any, todo: list[xlm.ShardState],
     return since
 
 
+def _where(settings: Settings, out: Path) -> str:
+    """Where the states went, for the closing line."""
+    if settings.states_to == "stream":
+        return f"streamed into SpecForge (epoch {settings.stream_epoch}), no state files"
+    return f"files under {out}"
+
+
 def _finished(xl: xlm.ExtractionLedger, shards: list[xlm.ShardState],
               done: list[xlm.ShardState], dead: list[xlm.ShardState], seconds: float,
-              out: Path) -> int:
+              out: Path, where: str) -> int:
     results = xl.done()
     dead_samples = sum(int(results[s.path].get("failed", 0)) for s in done)
     left_out = sum(int(results[s.path].get("skipped_overlong", 0)) for s in done)
     print(f"extraction finished: {len(done)}/{len(shards)} shards, "
           f"{sum(s.samples for s in done):,} samples, {sum(s.tokens for s in done):,} tokens "
           f"in {seconds:.0f}s; {left_out} samples left out by train_max_length; "
-          f"{dead_samples} samples and {len(dead)} shards dead-lettered; files under {out}")
+          f"{dead_samples} samples and {len(dead)} shards dead-lettered; {where}")
     total = tally.run_total(out)
     tally.save(out, total)
     print(tally.describe(total))

@@ -181,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                                  help="what generates: the SGLang simulator (default, fast), "
                                  "a real SGLang on the CPU (make sglang-env), or a real vLLM "
                                  "that captures the states as it generates (make vllm-env)")
+    parsers["demo"].add_argument("--stream", action="store_true",
+                                 help="stream the states into SpecForge's consumer (its "
+                                 "Mooncake data plane, two epochs) instead of writing files")
     parsers["demo"].add_argument("--extract", choices=("hf", "vllm"), default="hf",
                                  help="what extracts: transformers (default) or a real vLLM "
                                  "engine on the CPU (make vllm-env; about a minute more)")

@@ -1,7 +1,7 @@
 """Samples streamed into SpecForge 0.2.0's stock consumer, all real parts: the Mooncake plane
 (mooncake_master + segment holder), the project's handoff for the tiny Llama, Publisher, and
 `specforge train --role consumer` run through SpecForge's own CLI entry (with the CPU loss
-stand-in of tests/specforge_cpu_consumer.py). The consumer's own consumer.sqlite and log are
+stand-in of datagen/stream/cpu_consumer.py). The consumer's own consumer.sqlite and log are
 the witness."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from conftest import wait_until
 from datagen.builders.tiny_model import build_tiny_llama
 from datagen.extraction.files import Sample, sample_tensors
 from datagen.stream import consumer as sc
+from datagen.stream import cpu_consumer
 from datagen.stream.plane import Plane, key_count
 from datagen.stream.publisher import Publisher
 from datagen.training import handoff
@@ -30,7 +30,6 @@ LAYERS = 8
 AUX = [1, 3, 4]
 MAX_LENGTH = 40
 N = 4
-LAUNCHER = Path(__file__).parent / "specforge_cpu_consumer.py"
 CONSUMER_HANG_S = 600  # a bound on a hung consumer, never a wait the test relies on
 
 
@@ -64,13 +63,7 @@ def samples() -> list[dict[str, torch.Tensor]]:
 
 
 def start_consumer(config: Path, log: Path, *overrides: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(log, "ab") as fh:
-        return subprocess.Popen([sys.executable, str(LAUNCHER), "train", "--config",
-                                 str(config), "--role", "consumer", *overrides],
-                                stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    return cpu_consumer.start(config, log, *overrides)
 
 
 def wait_consumer_up(publisher: Publisher, proc: subprocess.Popen[bytes], log: Path) -> None:

@@ -17,6 +17,7 @@ forward ends the replica instead (replica.py): the ranks cannot skip a row in st
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import tempfile
@@ -429,7 +430,10 @@ class Extractor:
 
     def _batches(self, samples: list[Sample], shard_path: str | Path = "") -> list[list[Sample]]:
         """Longest first; an epoch after the first in an order seeded by the epoch and the
-        shard, so the trainer does not see the samples in the first epoch's order."""
+        shard, so the trainer does not see the samples in the first epoch's order. Only the
+        order changes: each batch holds the same samples in every epoch, and _run_batch lays
+        them out for the forward as the first epoch does, so a recomputed state is the first
+        epoch's byte for byte (the same shapes through the same kernels)."""
         batches = length_batches(samples, self.cfg.batch_tokens)
         if self.cfg.epoch > 1:
             seed = f"{self.cfg.shuffle_seed}:{self.cfg.epoch}:{shard_name(shard_path)}"
@@ -444,19 +448,21 @@ class Extractor:
             for s in batch:
                 run.pending.append((s, self.writer.submit(self._engine_sample, s, run)))
             return
+        layout = sorted(batch, key=lambda s: (-s.length, s.idx))  # every epoch's, see _batches
         try:
-            buf = self._forward_batch([s.input_ids for s in batch])
+            buf = self._forward_batch([s.input_ids for s in layout])
         except Exception as exc:  # noqa: BLE001 - any per-batch error: split and retry
-            self._on_batch_error(batch, run, exc)
+            self._on_batch_error(layout, run, exc)
             return
         staged = self.staging.stage(buf)
         del buf
         countdown = Countdown(len(batch), staged.release)
-        off = 0
-        for s in batch:
-            fut = self.writer.submit(self._write_sample, s, staged, off, countdown, run)
+        starts = itertools.accumulate((s.length for s in layout), initial=0)  # one too many
+        offsets = dict(zip((s.idx for s in layout), starts, strict=False))
+        for s in batch:  # written (and published) in the epoch's order
+            fut = self.writer.submit(self._write_sample, s, staged, offsets[s.idx], countdown,
+                                     run)
             run.pending.append((s, fut))
-            off += s.length
 
     def _on_batch_error(self, batch: list[Sample], run: _ShardRun, exc: Exception) -> None:
         if isinstance(exc, torch.cuda.OutOfMemoryError):

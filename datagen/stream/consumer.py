@@ -61,10 +61,12 @@ def consumer_config(handoff: dict[str, Any], plane: PlaneInfo, samples: int, epo
     training: dict[str, Any] = {"strategy": "eagle3", "batch_size": 1,
                                 "total_steps": total_steps(samples, epochs),
                                 "save_interval": save_interval}
+    model = dict(handoff["model"])
     if cpu:  # sharded FSDP and flex attention's backward need a GPU
         training.update(fsdp_sharding="NO_SHARD", attention_backend="sdpa")
+        model["torch_dtype"] = "float32"
     return {
-        "model": handoff["model"],
+        "model": model,
         "data": {"prompts_path": str(control_dir / NO_PROMPTS_NAME),
                  "max_length": handoff["max_length"], "dataloader_num_workers": 0},
         "training": training,

@@ -1,6 +1,6 @@
 """A SIGKILLed segment holder (issue 45), all real parts: mooncake_master and mooncake_client,
 SpecForge 0.2.0's MooncakeFeatureStore, its StreamingRefChannel and its stock `specforge train
---role consumer` (with the CPU loss stand-in of tests/specforge_cpu_consumer.py), the stream's
+--role consumer` (with the CPU loss stand-in of datagen/stream/cpu_consumer.py), the stream's
 Redis ledger. The holder takes every unacknowledged sample's bytes; the stock consumer fails on
 the first such ref and, resumed from its checkpoint, requeues the same refs; the sink puts the
 recomputed states back under those refs, and the consumer's consumer.sqlite shows each sample
