@@ -135,6 +135,16 @@ def test_generate_honours_the_proxy_settings_of_the_environment(
     assert ForwardProxy.seen == ([] if bypassed else [f"{url}/generate"])
 
 
+def send_json(handler: BaseHTTPRequestHandler, payload: object) -> None:
+    """A 200 answer through Python's json.dumps (NaN written as a literal)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class OneRequestPerConnection(BaseHTTPRequestHandler):
     """Answers one /generate per connection, then closes it without saying so: what a
     server's keep-alive timeout does to a connection left idle."""
@@ -154,14 +164,9 @@ class OneRequestPerConnection(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        data = json.dumps({"text": "", "output_ids": [5, 6],
-                           "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
-                                         "finish_reason": {"type": "stop"}}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"text": "", "output_ids": [5, 6],
+                         "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
+                                       "finish_reason": {"type": "stop"}}})
 
     def log_message(self, *args: object) -> None:
         pass
@@ -286,14 +291,9 @@ class PythonJsonEngine(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.bodies.append(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        data = json.dumps({"text": "é", "output_ids": [5, 6], "meta_info": {
+        send_json(self, {"text": "é", "output_ids": [5, 6], "meta_info": {
             "prompt_tokens": 3, "completion_tokens": 2, "e2e_latency": math.nan,
-            "finish_reason": {"type": "stop", "matched": 6}}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            "finish_reason": {"type": "stop", "matched": 6}}})
 
     def log_message(self, *args: object) -> None:
         pass
