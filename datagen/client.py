@@ -48,6 +48,7 @@ import requests
 from requests.utils import get_environ_proxies
 
 from config.settings import masked_url
+from datagen import json_codec
 from datagen.errors import BadRequest, ServerUnavailable
 from datagen.servers import KINDS, SERVER_KINDS, detect
 from datagen.servers.base import (
@@ -169,7 +170,7 @@ class SGLangClient:
                 conn = self._direct.connection()
                 with self._direct.in_flight(conn):
                     status, content, reason = _post(conn, self._direct.path + path,
-                                                    json.dumps(body).encode(), headers)
+                                                    _body_bytes(body), headers)
         except (TimeoutError, requests.Timeout) as exc:
             self.abort(rid)
             raise ServerUnavailable(f"{path} timed out for rid {rid}: {exc}") from exc
@@ -453,6 +454,13 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes,
     return resp.status, content, resp.reason or ""
 
 
+def _body_bytes(body: Mapping[str, Any]) -> bytes:
+    try:
+        return json_codec.dumps(body)
+    except UnicodeEncodeError:  # a lone surrogate (a stop string?): \u-escaped, as always
+        return json.dumps(body).encode()
+
+
 def _parse_generation(kind: ServerKind, status: int, content: bytes, reason: str,
                       started: float) -> Generation:
     if status == 400:
@@ -462,7 +470,7 @@ def _parse_generation(kind: ServerKind, status: int, content: bytes, reason: str
     if status != 200:
         raise BadRequest(f"HTTP {status}: {_error_message(status, content, reason)}")
     try:
-        return kind.parse_generation(json.loads(content), time.monotonic() - started)
+        return kind.parse_generation(json_codec.loads(content), time.monotonic() - started)
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise ServerUnavailable(f"malformed {kind.generate_path} response: {exc!r}") from exc
 

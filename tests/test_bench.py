@@ -389,3 +389,14 @@ def test_bench_stream_runs_the_file_build_the_store_and_the_stock_consumer_side_
     assert store["got_bytes"] == 6 * data["sample_store_bytes"]
     assert consumer["consumer_start_s"] > 0 and consumer["checkpoint_bytes"] > 0
     assert "| build | samples/s |" in result.stdout
+
+
+def test_bench_json_codec_times_json_and_the_codec_on_the_same_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "json_codec.json"
+    result = subprocess.run(
+        [sys.executable, "bench/bench_json_codec.py", "--ids", "20", "--number", "5",
+         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert set(rows) == {"record line", "/generate body", "answer parse"}
+    assert all(r["json_ms"] > 0 and r["json_codec_ms"] > 0 for r in rows.values())

@@ -108,13 +108,14 @@ def test_the_lock_pins_every_dependency_within_its_range() -> None:
 
 def test_datagen_shows_its_phases_and_roles_as_packages() -> None:
     # Only the shared core stays loose (the conversation is the data model the reader, the
-    # template and the training rows share); the phases (generation, extraction), the handoff,
-    # operations, tokenization, the generation server kinds, the stream into SpecForge's
-    # consumer and the test/demo builders are packages of their own.
+    # template and the training rows share; json_codec the client's and the records' JSON);
+    # the phases (generation, extraction), the handoff, operations, tokenization, the
+    # generation server kinds, the stream into SpecForge's consumer and the test/demo builders
+    # are packages of their own.
     root = REPO / "datagen"
     loose = {p.stem for p in root.glob("*.py")} - {"__init__"}
-    assert loose == {"broker", "celery_app", "client", "conversation", "errors", "keys",
-                     "redis_server"}
+    assert loose == {"broker", "celery_app", "client", "conversation", "errors", "json_codec",
+                     "keys", "redis_server"}
     packages = {p.name for p in root.iterdir() if (p / "__init__.py").is_file()}
     assert packages == {"generation", "extraction", "training", "operations", "tokenization",
                         "builders", "servers", "stream"}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+from datagen import json_codec
 from datagen.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,7 @@ class RecordWriter:
         self._files: dict[str, _Appended] = {}
 
     def append(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n"
-        data = line.encode("utf-8")
+        data = json_codec.dumps(record) + b"\n"  # json's compact bytes, through orjson
         with self._lock:
             try:
                 out = self._file(str(record["dataset"]))

@@ -9,6 +9,7 @@ simulator.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 from collections.abc import Iterator
@@ -134,6 +135,16 @@ def test_generate_honours_the_proxy_settings_of_the_environment(
     assert ForwardProxy.seen == ([] if bypassed else [f"{url}/generate"])
 
 
+def send_json(handler: BaseHTTPRequestHandler, payload: object) -> None:
+    """A 200 answer through Python's json.dumps (NaN written as a literal)."""
+    data = json.dumps(payload).encode()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class OneRequestPerConnection(BaseHTTPRequestHandler):
     """Answers one /generate per connection, then closes it without saying so: what a
     server's keep-alive timeout does to a connection left idle."""
@@ -153,14 +164,9 @@ class OneRequestPerConnection(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        data = json.dumps({"text": "", "output_ids": [5, 6],
-                           "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
-                                         "finish_reason": {"type": "stop"}}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"text": "", "output_ids": [5, 6],
+                         "meta_info": {"prompt_tokens": 3, "completion_tokens": 2,
+                                       "finish_reason": {"type": "stop"}}})
 
     def log_message(self, *args: object) -> None:
         pass
@@ -275,3 +281,39 @@ def test_a_name_that_stays_unresolved_past_the_grace_is_a_host_gone_and_a_lookup
     outcome["error"] = socket.gaierror(socket.EAI_NONAME, "unknown")
     # Then: a new run of failures starts its own grace
     assert graced.reachable() is True and graced.reachable() is True
+
+
+class PythonJsonEngine(BaseHTTPRequestHandler):
+    """An engine that answers through Python's json.dumps, which writes NaN and Infinity
+    (orjson refuses them); it keeps the bodies it was sent."""
+
+    bodies: list[bytes] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.bodies.append(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        send_json(self, {"text": "é", "output_ids": [5, 6], "meta_info": {
+            "prompt_tokens": 3, "completion_tokens": 2, "e2e_latency": math.nan,
+            "finish_reason": {"type": "stop", "matched": 6}}})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_answer_holding_nan_is_parsed_and_the_body_sent_holds_what_was_asked() -> None:
+    # Given: an engine whose answer holds a NaN literal (orjson alone: "malformed response")
+    PythonJsonEngine.bodies = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PythonJsonEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    asked = {"max_new_tokens": 2, "stop": ["終わり"], "temperature": 0.7, "min_p": 1e-05}
+    try:
+        # When: a sample is generated there
+        gen = SGLangClient(f"http://127.0.0.1:{server.server_port}").generate(
+            [1, 2, 3], asked, "rid-1", "B1")
+    finally:
+        server.shutdown()
+
+    # Then: the answer is read as json reads it, and the body carried exactly what was asked
+    assert gen.output_ids == [5, 6] and gen.text == "é" and math.isnan(gen.latency_s)
+    sent = json.loads(PythonJsonEngine.bodies[0])
+    assert sent["input_ids"] == [1, 2, 3] and sent["rid"] == "rid-1"
+    assert sent["sampling_params"] == asked

@@ -4,6 +4,8 @@ written before it (group commit)."""
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import threading
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import StorageError
-from datagen.generation import records
+from datagen.generation import index, records
 from datagen.generation.records import RecordWriter
 
 THREADS = 8
@@ -118,3 +120,25 @@ def test_close_fsyncs_what_was_written(tmp_path: Path, monkeypatch) -> None:
     assert len(calls) == 1 and out.synced == out.written
     out.sync(out.written)  # that thread then finds its line synced: no fsync of a closed file
     assert len(calls) == 1
+
+
+def test_a_record_line_is_json_s_bytes_nan_and_non_ascii_text_included(tmp_path: Path) -> None:
+    # Given: a record whose prompt holds non-ASCII text and a NaN (a dataset line json.loads
+    # took), and a latency under 1e-4 s: what orjson alone writes otherwise (null, 0.00001)
+    rec = {"id": "s1", "dataset": "d", "messages": [
+        {"role": "user", "content": "héllo 中文 \U0001F600\n", "score": math.nan}],
+        "output_ids": [5, 6], "latency_s": 5e-05, "time": 1765086000.25}
+    writer = RecordWriter(tmp_path, "w")
+
+    # When: the worker appends it
+    writer.append(rec)
+    writer.close()
+
+    # Then: the line is the bytes json.dumps always wrote, so the NaN reads back as NaN and
+    # merge copies the line as it is (verbatim: the same bytes as its own encoding)
+    line = (records.records_dir(tmp_path, "d") / "w.jsonl").read_bytes()
+    assert line == (json.dumps(rec, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+    back = json.loads(line)
+    assert math.isnan(back["messages"][0]["score"]) and back["latency_s"] == 5e-05
+    assert back["messages"][0]["content"] == "héllo 中文 \U0001F600\n"
+    assert index.encode(back).encode("utf-8") == line
