@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sqlite3
 import subprocess
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from cli.extraction import EXIT_INCOMPLETE, cmd_extract, committed_maps, decoder
 from cli.stack import Process, child_env, start_worker
-from cli.stream import segment_bytes
+from cli.stream import cpu_line, segment_bytes
 from config.settings import Settings, load_settings
 from datagen.stream import consumer as sc
 from datagen.stream import cpu_consumer
@@ -77,9 +76,7 @@ def run_stream(config: Path, env: dict[str, str], logs: Path, procs: list[Proces
                                   EPOCHS, cpu=True)
         consumer_config = sc.write_consumer_config(folder, body)
         print(sc.describe(info, consumer_config), flush=True)
-        print(f"  on this CPU (a stand-in: the Triton loss swapped for its torch formula, "
-              f"the draft in float32): {shlex.join(cpu_consumer.command(consumer_config))}",
-              flush=True)
+        print(f"  on this CPU: {cpu_line(consumer_config)}", flush=True)
         consumer = cpu_consumer.start(consumer_config, logs / "consumer.log")
         try:
             _wait_consumer_up(info, consumer, logs / "consumer.log")

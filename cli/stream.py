@@ -4,6 +4,7 @@ command printed; then held until the consumer is done (or fails, or Ctrl-C)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 import time
@@ -55,7 +56,17 @@ def cmd_stream(settings: Settings, args: argparse.Namespace) -> int:
         body = sc.consumer_config(made, info, samples, args.epochs, cpu=args.cpu)
         config = sc.write_consumer_config(stream_dir, body)
         print(sc.describe(info, config), flush=True)
+        if args.cpu:  # SpecForge's loss is a Triton kernel: a CPU runs the labelled stand-in
+            print(f"  on a CPU: {cpu_line(config)}", flush=True)
         return _hold(info)
+
+
+def cpu_line(config: Path) -> str:
+    """The consumer's line on a CPU: SpecForge's trainer with its Triton loss swapped for the
+    torch formula of the same file, the draft in float32 (datagen/stream/cpu_consumer.py)."""
+    from datagen.stream.cpu_consumer import command  # noqa: PLC0415
+
+    return f"{shlex.join(command(config))}  (a stand-in: torch loss, float32 draft)"
 
 
 def segment_bytes(settings: Settings, segment_mb: int | None) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from demo_runner import demo_env, run_demo
 
 from cli.demo import EXTRACT_ENV
 from cli.demo_stream import EPOCHS, acked
+from cli.stack import REPO
 from config.settings import load_settings
 from datagen.extraction.extractor import Extractor
 from datagen.extraction.runner import extraction_config
@@ -86,3 +89,19 @@ def test_the_demo_streams_every_sample_once_per_epoch_as_the_file_build(
     assert f"epoch 1: {len(files)} of {len(files)}, epoch 2: {len(files)} of " \
            f"{len(files)}; twice: 0; state files written: 0; objects left in the store: 0" \
            in result.stdout
+
+
+@pytest.mark.parametrize("variant", [["--server", "vllm"], ["--extract", "vllm"]])
+def test_a_streamed_demo_on_vllm_is_refused_with_one_line(tmp_path: Path,
+                                                           variant: list[str]) -> None:
+    # Given/When: the stream asked of a demo whose states vLLM makes (captured: epoch 2 could
+    # not recompute them; the vllm backend: not what the streamed demo runs)
+    result = subprocess.run([sys.executable, "-m", "cli.main", "demo", "--stream", *variant,
+                             "--workdir", str(tmp_path / "demo")], cwd=REPO, env=demo_env(),
+                            capture_output=True, text=True, timeout=300)
+    # Then: refused before anything starts, naming what runs
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.strip() == ("demo --stream extracts with transformers (`hf`) into "
+                                     "the stream, two epochs: it runs with --server simulator "
+                                     "or sglang and --extract hf")
+    assert not (tmp_path / "demo").exists()

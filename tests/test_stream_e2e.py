@@ -15,6 +15,8 @@ twice).
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,12 +26,13 @@ import pytest
 import torch
 from conftest import CLI_HANG_S, Stack, wait_until
 from test_extraction_e2e import datagen, model_dir, records_with_logprobs, shard_records
-from test_stream_consumer import CONSUMER_HANG_S, acked_rows, kill_group, start_consumer
+from test_stream_consumer import CONSUMER_HANG_S, acked_rows, kill_group
 
 from cli.stack import REPO
 from datagen.extraction import ledger as xlm
 from datagen.generation.ledger import connect
 from datagen.stream import consumer as sc
+from datagen.stream import cpu_consumer
 from datagen.stream.plane import PlaneInfo
 from datagen.stream.publisher import read_witness, stream_tensors, tensor_digest
 from datagen.training.training_set import extraction_dir
@@ -92,12 +95,19 @@ class StreamRun:
              str(self.dir), "--handoff", str(handoff)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in self.plane.stdout:  # type: ignore[union-attr]
-            if line.lstrip().startswith("train:"):
+            if line.lstrip().startswith("on a CPU:"):  # after the `specforge train` line
                 break
         else:
             raise AssertionError(f"`datagen stream` exited {self.plane.wait()}")
         self.info = PlaneInfo.read(self.dir)
-        self.consumer = start_consumer(self.dir / sc.CONSUMER_CONFIG_NAME, self.log)
+        # the consumer as the printed line starts it (SpecForge's CLI, the CPU stand-in)
+        argv = shlex.split(line.split("on a CPU:", 1)[1].split("  (a stand-in")[0])
+        assert argv[-4:] == ["--config", str(self.dir / sc.CONSUMER_CONFIG_NAME), "--role",
+                             "consumer"], argv
+        env = {k: v for k, v in os.environ.items() if k not in cpu_consumer.TORCHRUN_ENV}
+        with open(self.log, "ab") as fh:
+            self.consumer = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                             env=env, start_new_session=True)
         self.quantum = Path(self.info.channel_path + ".consumer_quantum")
         wait_until(lambda: self.quantum.exists() or self.consumer.poll() is not None,
                    CONSUMER_HANG_S, what="the consumer to come up")
