@@ -26,7 +26,10 @@ import json
 import math
 from typing import Any
 
-import orjson
+try:
+    import orjson
+except ImportError:  # an engine's own Python (vLLM's venv loads the capture connector, which
+    orjson = None    # imports the records module): json alone, the same bytes and values
 
 # bytes orjson writes for every float it writes otherwise than json: null (NaN, ±inf), and a
 # float under 1e-4 either as 0.0000… or with a negative exponent (…e-7). Without any of them
@@ -39,6 +42,8 @@ def dumps(obj: Any) -> bytes:
     """``obj`` as compact UTF-8 JSON: exactly the bytes of
     ``json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()``; raises as that
     does (TypeError for a type JSON has not, UnicodeEncodeError for a lone surrogate)."""
+    if orjson is None:
+        return _std_dumps(obj)
     try:
         data = orjson.dumps(obj)
     except TypeError:  # orjson.JSONEncodeError: a type, key or number it does not take
@@ -53,6 +58,8 @@ def loads(content: bytes | str) -> Any:
     lone surrogate escape, which it refuses, go to ``json``, as do its errors. One difference
     is left: an int past 64 bits comes back as a float (no answer field holds one: token
     ids and counts)."""
+    if orjson is None:
+        return json.loads(content)
     try:
         return orjson.loads(content)
     except orjson.JSONDecodeError:

@@ -7,6 +7,9 @@ import json
 import math
 import random
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -84,3 +87,20 @@ def test_an_answer_with_nan_or_infinity_is_parsed_as_json_parses_it() -> None:
     assert json_codec.loads(b'"\\ud800"') == "\ud800"
     with pytest.raises(ValueError):
         json_codec.loads(b'{"output_ids": [1,')
+
+
+def test_without_orjson_the_records_module_loads_and_writes_json_s_bytes() -> None:
+    # Given: a Python without orjson, as vLLM's own venv, which loads the capture connector
+    # and through it the records module
+    code = ("import sys; sys.modules['orjson'] = None\n"
+            "import json; from datagen.generation import records; from datagen import json_codec\n"
+            "obj = {'id': 'é', 'x': float('nan'), 'ids': [1, 2]}\n"
+            "assert json_codec.orjson is None\n"
+            "assert json_codec.dumps(obj) == json.dumps(obj, separators=(',', ':'), "
+            "ensure_ascii=False).encode()\n"
+            "assert json_codec.loads(b'[NaN, 1]')[1] == 1\n"
+            "print('ok')")
+    # When: the codec is used there; Then: json's bytes and values
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
