@@ -80,10 +80,9 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def acked_rows(db: Path) -> list[str]:
-    import sqlite3
+    from cli.demo_stream import acked
 
-    with sqlite3.connect(db) as conn:
-        return [r[0] for r in conn.execute("SELECT sample_id FROM acked")]
+    return acked(db)
 
 
 def test_the_stock_consumer_trains_on_every_published_sample_once(tmp_path, handoff_config):

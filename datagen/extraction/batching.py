@@ -12,9 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def longest_first(s: Any) -> tuple[int, int]:
+    """The sort key of a batch's layout: longest first, then by index."""
+    return -s.length, s.idx
+
+
 def length_batches(samples: Sequence[Any], batch_tokens: int) -> list[list[Any]]:
     """Samples (``.length``, ``.idx``) sorted longest first, cut at ``batch_tokens``."""
-    ordered = sorted(samples, key=lambda s: (-s.length, s.idx))
+    ordered = sorted(samples, key=longest_first)
     batches: list[list[Any]] = []
     used = 0
     for s in ordered:

@@ -41,7 +41,7 @@ from datagen.extraction.backends.hf import (
     resolve_device,
 )
 from datagen.extraction.backends.vllm import EngineOptions
-from datagen.extraction.batching import length_batches, pack_rows
+from datagen.extraction.batching import length_batches, longest_first, pack_rows
 from datagen.extraction.estimate import DTYPE_BYTES, check_disk
 from datagen.extraction.files import (
     Rejected,
@@ -448,7 +448,7 @@ class Extractor:
             for s in batch:
                 run.pending.append((s, self.writer.submit(self._engine_sample, s, run)))
             return
-        layout = sorted(batch, key=lambda s: (-s.length, s.idx))  # every epoch's, see _batches
+        layout = sorted(batch, key=longest_first)  # every epoch's, see _batches
         try:
             buf = self._forward_batch([s.input_ids for s in layout])
         except Exception as exc:  # noqa: BLE001 - any per-batch error: split and retry
