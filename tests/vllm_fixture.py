@@ -56,6 +56,11 @@ class GenerationServer:
         logs "Added request generate-tokens-<rid>-<suffix>" once an abort can find it."""
         return f"Added request generate-tokens-{rid}" in self.log.read_text(errors="replace")
 
+    def aborted(self, rids: set[str]) -> set[str]:
+        """The rids its log says it aborted (a request that ran on never logs one)."""
+        log = self.log.read_text(errors="replace")
+        return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
+
     @contextmanager
     def engine_frozen(self) -> Iterator[FrozenEngine]:
         """The engine core (every process under the API server) stopped with SIGSTOP, the API

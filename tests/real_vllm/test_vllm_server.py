@@ -293,7 +293,7 @@ def test_an_abort_by_the_exact_id_it_runs_under(pair: list[Target],
                     lambda: vllm.metric("vllm:generation_tokens_total") >= before + 10, 600,
                     what="it to decode 10 tokens")
                 sent = t.abort("generate-tokens-" + rid)
-                wait_until(lambda: aborted(vllm, {rid}), 60, 0.05, what="vLLM to take the abort")
+                wait_until(lambda: vllm.aborted({rid}), 60, 0.05, what="vLLM to take the abort")
         else:
             thread, out = in_flight(t, rid, cap)
             sent = t.abort("generate-tokens-" + rid)
@@ -411,7 +411,7 @@ def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> No
                           600, what="it to decode 100 tokens")
         assert thread.is_alive() and not out
         client.abort(rid)
-        wait_until(lambda: aborted(vllm, {rid}), 60, 0.05, what="vLLM to take the abort")
+        wait_until(lambda: vllm.aborted({rid}), 60, 0.05, what="vLLM to take the abort")
     asked = time.monotonic()
     thread.join(60)
     answered_s = time.monotonic() - asked
@@ -503,7 +503,7 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
         rids = {e["rid"] for e in ledger.in_flight(dataset).values()}
         assert len(rids) == 4, "a request ended while the engine was stopped"
         assert guard.close(app, ledger, dataset, "operator", abort_in_flight=True)
-        wait_until(lambda: aborted(vllm, rids) == rids, 60, 0.1,
+        wait_until(lambda: vllm.aborted(rids) == rids, 60, 0.1,
                    what="vLLM's API server to take the 4 aborts")
     closed = time.monotonic()
     wait_until(lambda: ledger.snapshot(dataset)["in_flight"] == 0, 120, 0.05,
@@ -523,12 +523,6 @@ def test_an_operator_close_aborts_the_requests_in_flight_on_vllm(
     log = vllm.log.read_text(errors="replace")
     prefix = f"Added request generate-tokens-{rid_prefix(dataset)}"
     assert log.count(prefix) == len(rids)  # each once, and none after the close
-
-
-def aborted(vllm: GenerationServer, rids: set[str]) -> set[str]:
-    """The rids vLLM's log says it aborted (a request that ran on never logs one)."""
-    log = vllm.log.read_text(errors="replace")
-    return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
 
 
 def test_a_killed_worker_s_samples_run_once_more_and_a_restart_resumes_on_vllm(
