@@ -1,4 +1,4 @@
-"""The Redis transport every process of a run uses: kombu's, with three costs taken out.
+"""The Redis transport every process of a run uses: kombu's, with four costs taken out.
 
 A py-spy profile of the short worker (150 threads, a simulator at 2 ms per decode step)
 put ~70% of the time it held the GIL in Celery's consumer thread, and most of that here:
@@ -21,6 +21,15 @@ put ~70% of the time it held the GIL in Celery's consumer thread, and most of th
   tasks a second nearly every event went out as a message of its own.
   ``EventDispatcher`` publishes at most every ``EVENT_FLUSH_S`` (or at Celery's limit of
   24 buffered): Flower sees an event up to 0.1 s later, batched with its neighbours.
+- one message per BRPOP: kombu's poller delivers one message per turn of the event loop, so
+  a worker of 150 threads needed 150 BRPOPs and turns to fill them, and one per task ended
+  after. Here, after a BRPOP's message, the channel takes as many more as the worker could
+  start now (``TakeFreeSlots``: Celery's own bound, its reserved requests against its
+  concurrency) in one script on the same connection, the first queue and priority first as
+  BRPOP orders them; never more, so no message waits in a worker that has no thread for it.
+  A gpu worker (one shard at a time) has no free slot once it holds one: it takes one.
+  Side by side (bench_generate.py --short-workers 2 --base-tree, 2 ms, three rounds): 9.4-9.7%
+  less CPU per sample for the worker with it.
 
 Measured (BENCHMARKS.md, "The queue's own cost on a fast server"): the workers' CPU per
 1,000 samples 3.25-4.11 s before, 2.44-2.76 s after, in four runs each; Redis round trips
@@ -42,6 +51,7 @@ and the reaper sends a shard again that has stayed neither queued nor leased for
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cached_property
@@ -49,18 +59,37 @@ from time import monotonic
 from typing import Any
 
 import redis
+from celery import bootsteps
 from celery.app.amqp import AMQP
 from celery.app.events import Events as CeleryEvents
 from celery.events import dispatcher
 from kombu import transport as kombu_transport
 from kombu.asynchronous import get_event_loop
 from kombu.transport import redis as kombu_redis
+from kombu.utils.json import loads
 
 # Queues whose tasks are consumed without kombu's unacked bookkeeping: every queue of a run.
 NO_ACK_QUEUES = frozenset({"short", "long", "gpu"})
 TRANSPORT = "datagen.broker:Transport"
 SCHEMES = ("redis", "rediss")
 EVENT_FLUSH_S = 0.1
+log = logging.getLogger(__name__)
+
+
+# Pops up to ARGV[1] messages, the first keys first (kombu's BRPOP order: priority, then
+# queue), each returned after the key it came from.
+TAKE_SCRIPT = """
+local out, n = {}, tonumber(ARGV[1])
+for _, key in ipairs(KEYS) do
+  while #out < 2 * n do
+    local item = redis.call('RPOP', key)
+    if not item then break end
+    out[#out + 1] = key
+    out[#out + 1] = item
+  end
+end
+return out
+"""
 
 
 class Channel(kombu_redis.Channel):
@@ -69,6 +98,36 @@ class Channel(kombu_redis.Channel):
         # kombu's own mark for consumers whose messages need no ack (Message.ack skips
         # them); the virtual transports leave it None.
         self.no_ack_consumers: set[str] = set()
+        # How many more messages the worker runs at once (TakeFreeSlots sets it on a
+        # worker's task channel); None: one message per BRPOP, as kombu takes them.
+        self.free_slots: Any = None
+
+    def _brpop_read(self, **options: Any) -> bool:
+        got = super()._brpop_read(**options)  # raises Empty when the BRPOP timed out
+        free = self.free_slots() if self.free_slots is not None else 0
+        if free > 0 and not self.global_keyprefix:
+            self._take(free)
+        return got
+
+    def _take(self, n: int) -> None:
+        """Deliver up to ``n`` more messages of the queues consumed, in one round trip on
+        the BRPOP's connection (idle once its reply is read)."""
+        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps
+                for queue in self.active_queues]
+        if not keys:
+            return
+        try:
+            reply = self.client.eval(TAKE_SCRIPT, len(keys), *keys, n)
+        except self.connection_errors:
+            self.client.connection.disconnect()  # reconnected at the next BRPOP, as kombu's
+            raise
+        except redis.ResponseError as exc:  # scripts refused (an ACL): one per BRPOP on
+            log.warning("taking more than one message per BRPOP is off: %s", exc)
+            self.free_slots = None
+            return
+        for i in range(0, len(reply), 2):
+            dest = reply[i].decode().rsplit(self.sep, 1)[0]
+            self.connection._deliver(loads(reply[i + 1].decode()), dest)
 
     @cached_property
     def _shared_client(self) -> redis.Redis:
@@ -92,6 +151,26 @@ class Channel(kombu_redis.Channel):
     def basic_cancel(self, consumer_tag: str) -> Any:
         self.no_ack_consumers.discard(consumer_tag)
         return super().basic_cancel(consumer_tag)
+
+
+class TakeFreeSlots(bootsteps.StartStopStep):
+    """Tells a worker's task channel how many tasks it could start now (Celery's own bound
+    for ``worker_disable_prefetch``: its reserved requests against its concurrency), so one
+    BRPOP's turn of the event loop takes that many messages. Started again with the task
+    consumer when the connection is."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, c: Any) -> None:
+        from celery.worker import state
+
+        if not c.app.conf.worker_disable_prefetch or c.task_consumer is None:
+            return
+
+        def free() -> int:
+            limit = getattr(c.controller, "max_concurrency", None) or c.pool.num_processes
+            return limit - len(state.reserved_requests)
+        c.task_consumer.channel.free_slots = free
 
 
 class Transport(kombu_redis.Transport):

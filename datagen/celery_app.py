@@ -61,6 +61,7 @@ def make_app(settings: Settings) -> Celery:
     app = Celery("datagen", set_as_current=False, amqp="datagen.broker:NoAckAMQP",
                  events="datagen.broker:Events")
     app.conf.update(celery_config(settings))
+    app.steps["consumer"].add(broker.TakeFreeSlots)
     app.conf.datagen_settings = settings
     return app
 

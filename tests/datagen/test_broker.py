@@ -78,6 +78,47 @@ def test_a_channel_keeps_one_redis_client(redis_url: str, monkeypatch: Any) -> N
     app.close()
 
 
+def _drain_once(app: Any, free: int) -> tuple[list[Any], Any]:
+    """One turn of a consumer of ``short`` whose worker has ``free`` more threads: the task
+    bodies it was given, and its channel."""
+    got: list[Any] = []
+    with app.connection_for_read() as conn:
+        consumer = app.amqp.TaskConsumer(conn, queues=[Queue("short")],
+                                         callbacks=[lambda body, message: got.append(body)])
+        channel = conn.default_channel
+        channel.free_slots = lambda: free
+        with consumer:
+            conn.drain_events(timeout=10)
+    return got, channel
+
+
+def test_one_brpop_takes_as_many_more_messages_as_the_worker_has_free_threads(
+        redis_url: str) -> None:
+    app, r = _app(redis_url), redis.Redis.from_url(redis_url)
+    for i in range(5):
+        app.send_task(GENERATE_TASK, kwargs={"n": i}, queue="short")
+    got, _ = _drain_once(app, free=2)
+    assert [body[1]["n"] for body in got] == [0, 1, 2]  # in the queue's order
+    assert r.llen("short") == 2
+    app.close()
+
+
+def test_a_redis_refusing_scripts_gives_one_message_per_brpop(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    r.acl_setuser("noscripts", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                  commands=["+@all", "-eval"])
+    try:
+        app = _app(redis_url.replace("redis://", "redis://noscripts:pw@", 1))
+        for i in range(3):
+            app.send_task(GENERATE_TASK, kwargs={"n": i}, queue="short")
+        got, channel = _drain_once(app, free=2)
+        assert len(got) == 1 and r.llen("short") == 2
+        assert channel.free_slots is None  # not asked again
+        app.close()
+    finally:
+        r.acl_deluser("noscripts")
+
+
 def test_both_redis_schemes_resolve_to_this_transport(redis_url: str) -> None:
     _app(redis_url)
     for url in ("redis://localhost:6379/0", "rediss://localhost:6380/0?ssl_cert_reqs=required"):
@@ -133,3 +174,37 @@ def test_a_worker_sends_every_task_event_in_a_few_messages(stack: Stack) -> None
     assert sent < samples / 2, f"{sent} PUBLISH for {samples} tasks"
     conn.release()
     app.close()
+
+
+def test_a_worker_fills_every_free_thread_from_one_brpop_and_takes_no_more(
+        stack: Stack) -> None:
+    # Given: 40 tasks queued before a worker of 8 threads starts, on a server that holds
+    # each request ~30 s (3,000 tokens at 10 ms a step)
+    stack.start_simulator("--lengths", "fixed:3000", "--decode-step-s", "0.01")
+    samples, threads = 40, 8
+    write_jsonl(stack.tmp / "partition" / "F1.jsonl",
+                [{"id": f"f{i}", "prompt": f"Fill {i}"} for i in range(samples)])
+    settings = stack.configure(data_dir=str(stack.tmp / "partition"),
+                               short_concurrency=threads, short_max_tokens=3000)
+    Producer(settings, stack.app(), stack.ledger()).run()
+    r = redis.Redis.from_url(stack.redis_url)
+
+    def queued() -> int:  # kombu keeps a list per priority: short, short\x06\x163, ...
+        return sum(r.llen(key) for key in r.scan_iter(match="short*"))
+    assert queued() == samples
+
+    def calls(command: str) -> int:
+        return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+    brpop = calls("brpop")
+
+    # When: the worker starts
+    stack.worker("short")
+    wait_until(lambda: len({e["rid"] for e in stack.sim_log() if e["event"] == "start"})
+               >= threads, 120, what=f"{threads} requests running on the server")
+
+    # Then: one BRPOP (kombu's own takes one message per BRPOP and turn of the event loop:
+    # 8 for 8 threads) and the messages it took with it filled every thread, and no more
+    # left the queue than the worker had threads
+    assert calls("brpop") - brpop <= 2
+    assert queued() == samples - threads
+    assert len({e["rid"] for e in stack.sim_log() if e["event"] == "start"}) == threads
