@@ -28,8 +28,8 @@ put ~70% of the time it held the GIL in Celery's consumer thread, and most of th
   concurrency) in one script on the same connection, the first queue and priority first as
   BRPOP orders them; never more, so no message waits in a worker that has no thread for it.
   A gpu worker (one shard at a time) has no free slot once it holds one: it takes one.
-  Side by side (bench_generate.py --short-workers 2 --base-tree, 2 ms, three rounds): 9.4-9.7%
-  less CPU per sample for the worker with it.
+  Side by side (bench_generate.py --short-workers 2 --base-tree, 2 ms, 9 rounds): 6.4-10.6%
+  less CPU per sample for the worker with it, median 9.0% (BENCHMARKS.md).
 
 Measured (BENCHMARKS.md, "The queue's own cost on a fast server"): the workers' CPU per
 1,000 samples 3.25-4.11 s before, 2.44-2.76 s after, in four runs each; Redis round trips
