@@ -66,6 +66,7 @@ from celery.events import dispatcher
 from kombu import transport as kombu_transport
 from kombu.asynchronous import get_event_loop
 from kombu.transport import redis as kombu_redis
+from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 # Queues whose tasks are consumed without kombu's unacked bookkeeping: every queue of a run.
@@ -126,8 +127,8 @@ class Channel(kombu_redis.Channel):
             self.free_slots = None
             return
         for i in range(0, len(reply), 2):
-            dest = reply[i].decode().rsplit(self.sep, 1)[0]
-            self.connection._deliver(loads(reply[i + 1].decode()), dest)
+            dest = bytes_to_str(reply[i]).rsplit(self.sep, 1)[0]
+            self.connection._deliver(loads(bytes_to_str(reply[i + 1])), dest)
 
     @cached_property
     def _shared_client(self) -> redis.Redis:
