@@ -61,6 +61,24 @@ class GenerationServer:
         log = self.log.read_text(errors="replace")
         return {r for r in rids if f"Aborted request(s) generate-tokens-{r}" in log}
 
+    def abort_mid_decode(self, rid: str, start: Callable[[], Any], abort: Callable[[], Any],
+                         tokens: int = 10) -> tuple[Any, Any]:
+        """``start()`` sends the request ``rid`` with the engine frozen; the engine then runs
+        in steps until it made ``tokens`` more tokens, and ``abort()`` is called while it is
+        stopped: the request is surely mid-decode then, however slow or starved the machine
+        (a decoding CPU engine beside other load ran a request to its cap before a test
+        could abort it, in CI). Returns what each returned, once vLLM took the abort."""
+        made = self.metric("vllm:generation_tokens_total")
+        with self.engine_frozen() as engine:
+            started = start()
+            wait_until(lambda: self.added(rid), 120, 0.02, what="the request to reach vLLM")
+            engine.step_until(
+                lambda: self.metric("vllm:generation_tokens_total") >= made + tokens, 600,
+                what=f"it to decode {tokens} tokens")
+            sent = abort()
+            wait_until(lambda: self.aborted({rid}), 60, 0.05, what="vLLM to take the abort")
+        return started, sent
+
     @contextmanager
     def engine_frozen(self) -> Iterator[FrozenEngine]:
         """The engine core (every process under the API server) stopped with SIGSTOP, the API

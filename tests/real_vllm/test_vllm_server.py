@@ -286,14 +286,8 @@ def test_an_abort_by_the_exact_id_it_runs_under(pair: list[Target],
     def scenario(t: Target) -> dict:
         rid, cap = rid_of("abort"), LONG
         if t.name == "vllm":
-            before = vllm.metric("vllm:generation_tokens_total")
-            with vllm.engine_frozen() as engine:
-                thread, out = in_flight(t, rid, cap)
-                engine.step_until(
-                    lambda: vllm.metric("vllm:generation_tokens_total") >= before + 10, 600,
-                    what="it to decode 10 tokens")
-                sent = t.abort("generate-tokens-" + rid)
-                wait_until(lambda: vllm.aborted({rid}), 60, 0.05, what="vLLM to take the abort")
+            (thread, out), sent = vllm.abort_mid_decode(
+                rid, lambda: in_flight(t, rid, cap), lambda: t.abort("generate-tokens-" + rid))
         else:
             thread, out = in_flight(t, rid, cap)
             sent = t.abort("generate-tokens-" + rid)
@@ -401,17 +395,13 @@ def test_an_abort_by_rid_stops_a_request_in_flight(vllm: GenerationServer) -> No
     # request made 100 tokens; the abort is sent with it stopped: the request is surely
     # mid-decode then, however slow or starved the machine)
     client, rid, out, cap = SGLangClient(vllm.url, kind="vllm"), new_rid("abort"), {}, LONG
-    made = vllm.metric("vllm:generation_tokens_total")
     thread = threading.Thread(target=lambda: out.update(gen=client.generate(
         [1, 5, 6], {"max_new_tokens": cap, "ignore_eos": True}, rid)), daemon=True)
-    with vllm.engine_frozen() as engine:
-        thread.start()
-        wait_until(lambda: vllm.added(rid), 120, 0.02, what="the request to reach vLLM")
-        engine.step_until(lambda: vllm.metric("vllm:generation_tokens_total") >= made + 100,
-                          600, what="it to decode 100 tokens")
+
+    def abort() -> None:
         assert thread.is_alive() and not out
         client.abort(rid)
-        wait_until(lambda: vllm.aborted({rid}), 60, 0.05, what="vLLM to take the abort")
+    vllm.abort_mid_decode(rid, thread.start, abort, tokens=100)
     asked = time.monotonic()
     thread.join(60)
     answered_s = time.monotonic() - asked
