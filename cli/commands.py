@@ -71,7 +71,8 @@ def cmd_status(settings: Settings, args: argparse.Namespace) -> int:
         checked = tally.saved(extraction_dir(settings))
         if checked:
             print(tally.describe(checked))
-        for line in stream_ledger.status_lines(ledger.r, settings.stream_resident_bytes):
+        for line in stream_ledger.status_lines(ledger.r, settings.stream_resident_bytes,
+                                               stream_ledger.stream_dir(settings)):
             print(line)
         return 0
     follow(ledger, args.interval, until_finished=False)

@@ -49,7 +49,7 @@ from pathlib import Path
 import redis
 
 from cli import sglang, vllm
-from cli.demo_stream import EPOCHS, run_stream
+from cli.demo_stream import EPOCHS, run_stream, stream_env
 from cli.extraction import EXIT_INCOMPLETE, cmd_extract, committed_maps, decoder
 from cli.output import merge_all, print_summary, render_produce
 from cli.stack import REPO, Process, child_env, start_simulator, start_worker, wait_for_workers
@@ -179,6 +179,7 @@ def _run(args: argparse.Namespace, server_name: str, config: Path, workdir: Path
                 _build_model(workdir, tokenizer, encoder.vocab_size, vllm_extract)  # checked
             if getattr(args, "stream", False):
                 code = run_stream(config, env, logs, procs, timeout_s=1800)
+                env.update(stream_env(env["DATAGEN_OUTPUT_DIR"], EPOCHS))  # saved below
                 print(f"phases: generation {generated - started:.0f}s (the server's start "
                       f"included); the stream's {EPOCHS} epochs "
                       f"{time.monotonic() - generated:.0f}s, no state files")
@@ -294,6 +295,14 @@ def _produce_and_follow(started: float, config: Path, timeout_s: float) -> int:
     return sum(len(ledger.dead(r.dataset)) for r in table)
 
 
+# What a demo sets through the environment that its saved datagen.toml keeps. Of the stream's,
+# the bound only (`datagen status` reads each epoch's counts from the ledger and shows them
+# against it): with `states_to = "stream"` a later `datagen extract --config` of it would
+# publish into a plane that stopped with the demo, instead of building files.
+SAVED_SETTINGS = ("output_dir", "tokenizer_path", "model_path", "stream_resident_bytes")
+SAVED_INTS = ("stream_resident_bytes",)
+
+
 def _save_ledger(redis_server: RedisServer, workdir: Path, config: Path,
                  env: dict[str, str]) -> None:
     """Leave the run inspectable once its Redis is gone: the ledger saved to
@@ -304,11 +313,10 @@ def _save_ledger(redis_server: RedisServer, workdir: Path, config: Path,
     except redis.RedisError as exc:
         print(f"demo: could not save the ledger ({exc}); `datagen status` will not see this run")
         return
-    keys = {"output_dir": env.get("DATAGEN_OUTPUT_DIR"),
-            "tokenizer_path": env.get("DATAGEN_TOKENIZER_PATH"),
-            "model_path": env.get("DATAGEN_MODEL_PATH"),
-            "saved_ledger": str(redis_server.workdir / "dump.rdb")}
-    head = "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items() if v)
+    keys: dict[str, str | None] = {k: env.get(f"DATAGEN_{k.upper()}") for k in SAVED_SETTINGS}
+    keys["saved_ledger"] = str(redis_server.workdir / "dump.rdb")
+    head = "".join(f"{k} = {json.dumps(int(v) if k in SAVED_INTS else v)}\n"
+                   for k, v in keys.items() if v)
     settings_file = workdir / "datagen.toml"
     settings_file.write_text(f"# Written by `datagen demo`: this run's settings, its ledger saved "
                              f"at the end.\n{head}\n{config.read_text(encoding='utf-8')}",

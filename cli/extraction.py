@@ -244,14 +244,17 @@ def _stream_finished(settings: Settings, shards: list[xlm.ShardState], code: int
     samples included: they will never come) the channel is closed, so the consumer ends with
     fewer steps than its horizon instead of waiting for refs that will not come."""
     r = _ledger(settings).r
+    folder = stream_ledger.stream_dir(settings)
     ledger = stream_ledger.StreamLedger(r, settings.stream_epoch)
+    consumer = stream_ledger.consumer_state(folder)
+    if consumer is not None:  # the acks since the last put waited for room
+        ledger.acked(consumer[0])
     print(stream_ledger.describe(ledger.counts(), settings.stream_resident_bytes))
     _, dead, todo = xlm.split_shards(shards, xlm.ExtractionLedger(r))
     if dead or todo:
         print(f"stream epoch {settings.stream_epoch} incomplete: {len(dead)} shards "
               f"dead-lettered, {len(todo)} to do; `datagen extract` again to finish it")
         return code or EXIT_INCOMPLETE
-    folder = stream_ledger.stream_dir(settings)
     plane = PlaneInfo.read(folder)
     if settings.stream_epoch >= plane.epochs:
         from datagen.stream.publisher import close_channel  # loads torch: only here

@@ -91,6 +91,16 @@ def test_the_demo_streams_every_sample_once_per_epoch_as_the_file_build(
            f"{len(files)}; twice: 0; state files written: 0; objects left in the store: 0" \
            in result.stdout
 
+    # And: the run's saved settings show each epoch's stream, against the demo's bound
+    status = subprocess.run([sys.executable, "-m", "cli.main", "status", "--config",
+                             str(work / "datagen.toml")], cwd=REPO, env=demo_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert status.returncode == 0, status.stdout + status.stderr
+    for epoch in (1, 2):
+        assert f"stream epoch {epoch}: {len(files)} published, {len(files)} acknowledged, " \
+               f"0.0 MiB resident of 16.0 MiB (stream_resident_bytes)" in status.stdout, \
+               status.stdout
+
 
 @pytest.mark.parametrize("variant", [["--server", "vllm"], ["--extract", "vllm"]])
 def test_a_streamed_demo_on_vllm_is_refused_with_one_line(tmp_path: Path,

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from datagen import keys
-from datagen.errors import StreamUnavailable
+from datagen.errors import BadInput, StreamUnavailable
 
 RATE_WINDOW_S = 60.0  # the trainer's rate: acks over the last minute
 
@@ -130,14 +130,45 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def describe(counts: StreamCounts, bound_bytes: int) -> str:
+def describe(counts: StreamCounts, bound_bytes: int, trainer_ended: bool = False) -> str:
     """One `datagen status` line of an epoch streamed into SpecForge."""
+    rate = ("trainer ended" if trainer_ended else
+            f"trainer {counts.acks_per_s:.2f} samples/s over the last {RATE_WINDOW_S:.0f} s")
     return (f"stream epoch {counts.epoch}: {counts.published:,} published, {counts.acked:,} "
             f"acknowledged, {counts.resident_bytes / 2**20:,.1f} MiB resident of "
-            f"{bound_bytes / 2**20:,.1f} MiB (stream_resident_bytes); trainer "
-            f"{counts.acks_per_s:.2f} samples/s over the last {RATE_WINDOW_S:.0f} s")
+            f"{bound_bytes / 2**20:,.1f} MiB (stream_resident_bytes); {rate}")
 
 
-def status_lines(client: redis.Redis, bound_bytes: int) -> list[str]:
-    """A line per epoch that streamed anything, oldest first."""
-    return [describe(StreamLedger(client, e).counts(), bound_bytes) for e in epochs(client)]
+def consumer_state(folder: Path) -> tuple[set[str], bool] | None:
+    """The ids the consumer acknowledged, from its own SQLite (SpecForge's durable marker),
+    and whether it has ended (``.consumer_done``), read from the plane's folder; None where
+    this host does not see it (no plane.json, no consumer.sqlite yet)."""
+    from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
+
+    from datagen.stream.plane import PlaneInfo
+
+    try:
+        plane = PlaneInfo.read(folder)
+    except (BadInput, OSError):
+        return None
+    if not plane.db_path.exists():
+        return None
+    acked = set(SQLiteMetadataStore(str(plane.db_path)).durable_marker()["acked"])
+    return acked, Path(plane.channel_path + ".consumer_done").exists()
+
+
+def status_lines(client: redis.Redis, bound_bytes: int, folder: Path | None = None
+                 ) -> list[str]:
+    """A line per epoch that streamed anything, oldest first. With the plane's ``folder``
+    the consumer's acks are recorded first (the gpu workers record them only while a put
+    waits for room, so after an epoch's last put the trainer's last acks were not in the
+    ledger), and an ended consumer is said so instead of a rate."""
+    found = epochs(client)
+    consumer = consumer_state(folder) if folder is not None and found else None
+    lines = []
+    for epoch in found:
+        ledger = StreamLedger(client, epoch)
+        if consumer is not None:
+            ledger.acked(consumer[0])
+        lines.append(describe(ledger.counts(), bound_bytes, consumer is not None and consumer[1]))
+    return lines

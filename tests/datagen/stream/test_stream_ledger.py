@@ -3,6 +3,7 @@ under the bound before a put, acks free it once, epochs are apart, and status sa
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -77,3 +78,40 @@ def test_a_gpu_worker_of_another_epoch_than_extract_asked_refuses_the_shard(
     require_epoch(r, 2)
     with pytest.raises(StreamUnavailable, match="restart the gpu workers with stream_epoch = 2"):
         require_epoch(r, 1)
+
+
+def test_status_records_the_consumers_last_acks_and_says_when_it_ended(
+        redis_url: str, tmp_path, monkeypatch, capsys) -> None:
+    # Given: 3 samples published in epoch 1, the last put made with room to spare, so no gpu
+    # worker asked the consumer again; the consumer (its own SQLite) acknowledged all 3
+    from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
+    from test_stream_end import plane
+
+    from cli.main import main
+
+    info = plane(tmp_path, epochs=1)
+    ledger = StreamLedger(connect(redis_url), 1)
+    ids = [f"B1/s{i}@e1" for i in range(3)]
+    for sid in ids:
+        assert ledger.reserve(sid, 1 << 20, 8 << 20)
+        ledger.published(sid, 1 << 20)
+    ledger.acked(ids[:1])
+    Path(info.state_dir).mkdir(parents=True)
+    SQLiteMetadataStore(str(info.db_path)).record_train_ack(ids, global_step=3,
+                                                            optimizer_durable=False)
+    monkeypatch.setenv("DATAGEN_REDIS_URL", redis_url)
+    monkeypatch.setenv("DATAGEN_OUTPUT_DIR", str(tmp_path / "out"))
+    monkeypatch.setenv("DATAGEN_STREAM_DIR", str(tmp_path / "stream"))
+    monkeypatch.setenv("DATAGEN_STREAM_RESIDENT_BYTES", str(8 << 20))
+
+    # When/Then: `datagen status` shows all 3 acknowledged and nothing resident (before: 1 and
+    # 2 MiB, what the ledger held), and the rate while the consumer runs
+    assert main(["status"]) == 0
+    assert ("stream epoch 1: 3 published, 3 acknowledged, 0.0 MiB resident of 8.0 MiB "
+            "(stream_resident_bytes); trainer " in capsys.readouterr().out)
+    assert ledger.acked_ids() == set(ids)
+    # and once the consumer ended, that instead of a rate
+    Path(info.channel_path + ".consumer_done").touch()
+    assert main(["status"]) == 0
+    assert "0.0 MiB resident of 8.0 MiB (stream_resident_bytes); trainer ended" in \
+        capsys.readouterr().out
