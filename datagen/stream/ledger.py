@@ -142,14 +142,15 @@ def describe(counts: StreamCounts, bound_bytes: int, trainer_ended: bool = False
 def consumer_state(folder: Path) -> tuple[set[str], bool] | None:
     """The ids the consumer acknowledged, from its own SQLite (SpecForge's durable marker),
     and whether it has ended (``.consumer_done``), read from the plane's folder; None where
-    this host does not see it (no plane.json, no consumer.sqlite yet)."""
-    from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
-
+    this host does not see it (no plane.json, no consumer.sqlite yet) or has no SpecForge
+    (`make install` brings its readers)."""
     from datagen.stream.plane import PlaneInfo
 
     try:
+        from specforge.runtime.control_plane.metadata_store import SQLiteMetadataStore
+
         plane = PlaneInfo.read(folder)
-    except (BadInput, OSError):
+    except (ImportError, BadInput, OSError):
         return None
     if not plane.db_path.exists():
         return None
