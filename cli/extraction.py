@@ -246,10 +246,8 @@ def _stream_finished(settings: Settings, shards: list[xlm.ShardState], code: int
     r = _ledger(settings).r
     folder = stream_ledger.stream_dir(settings)
     ledger = stream_ledger.StreamLedger(r, settings.stream_epoch)
-    consumer = stream_ledger.consumer_state(folder)
-    if consumer is not None:  # the acks since the last put waited for room
-        ledger.acked(consumer[0])
-    print(stream_ledger.describe(ledger.counts(), settings.stream_resident_bytes))
+    print(stream_ledger.describe(ledger.refreshed(stream_ledger.consumer_state(folder)),
+                                 settings.stream_resident_bytes))
     _, dead, todo = xlm.split_shards(shards, xlm.ExtractionLedger(r))
     if dead or todo:
         print(f"stream epoch {settings.stream_epoch} incomplete: {len(dead)} shards "

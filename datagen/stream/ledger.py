@@ -98,6 +98,14 @@ class StreamLedger:
         totals = self.r.hmget(self.totals_key, ["reserved_bytes", "acked_bytes"])
         return int(totals[0] or 0) - int(totals[1] or 0)
 
+    def refreshed(self, consumer: tuple[set[str], bool] | None) -> StreamCounts:
+        """The counts once the acks in ``consumer`` (consumer_state's) are recorded: the gpu
+        workers record them only while a put waits for room, so after an epoch's last put
+        the trainer's last acks are not in the ledger yet."""
+        if consumer is not None:
+            self.acked(consumer[0])
+        return self.counts()
+
     def counts(self, now: float | None = None) -> StreamCounts:
         now = time.time() if now is None else now
         recent = sum(1 for t in self.r.hvals(self.acked_key) if float(t) >= now - RATE_WINDOW_S)
@@ -166,10 +174,6 @@ def status_lines(client: redis.Redis, bound_bytes: int, folder: Path | None = No
     ledger), and an ended consumer is said so instead of a rate."""
     found = epochs(client)
     consumer = consumer_state(folder) if folder is not None and found else None
-    lines = []
-    for epoch in found:
-        ledger = StreamLedger(client, epoch)
-        if consumer is not None:
-            ledger.acked(consumer[0])
-        lines.append(describe(ledger.counts(), bound_bytes, consumer is not None and consumer[1]))
-    return lines
+    ended = consumer is not None and consumer[1]
+    return [describe(StreamLedger(client, e).refreshed(consumer), bound_bytes, ended)
+            for e in found]
