@@ -66,14 +66,19 @@ def test_bench_generate_measures_the_pipeline_the_client_and_the_celery_floor(
     assert "no-op worker / direct client CPU per sample" in result.stdout
 
 
-def test_bench_generate_runs_two_checkouts_side_by_side(tmp_path: Path) -> None:
-    # Given: another checkout of the code (this commit's), its .venv linked
-    base = tmp_path / "base"
-    base.mkdir()
+def checkout_of_head(folder: Path) -> Path:
+    """Another checkout of the code (this commit's), its .venv linked."""
+    folder.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True,
                              check=True, timeout=120).stdout
-    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True, timeout=120)
-    (base / ".venv").symlink_to(Path(sys.prefix))
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True, timeout=120)
+    (folder / ".venv").symlink_to(Path(sys.prefix))
+    return folder
+
+
+def test_bench_generate_runs_two_checkouts_side_by_side(tmp_path: Path) -> None:
+    # Given: another checkout of the code
+    base = checkout_of_head(tmp_path / "base")
     out = tmp_path / "generate.json"
     # When: the throughput phase runs one short worker from it and one from this tree
     result = subprocess.run(
@@ -90,6 +95,41 @@ def test_bench_generate_runs_two_checkouts_side_by_side(tmp_path: Path) -> None:
     assert both["short1"]["samples"] + both["short2"]["samples"] == pipe["short"]
     assert all(w["samples"] > 0 and w["cpu_s_per_1000"] > 0 for w in both.values())
     assert "short1 (" in result.stdout
+
+
+def test_bench_generate_trees_alternates_whole_runs_of_each_checkout(tmp_path: Path) -> None:
+    # Given: two checkouts, another one and this one
+    other = checkout_of_head(tmp_path / "other")
+    out = tmp_path / "trees.json"
+    # When: each takes one turn of a one-round throughput run
+    result = subprocess.run(
+        [sys.executable, "bench/bench_generate_trees.py", "--tree", f"other={other}",
+         "--tree", f"this={REPO}", "--runs", "1", "--out", str(out), "--",
+         "--phases", "throughput", "--decode-steps-s", "0.002", "--rounds", "1",
+         "--prompts", "120"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # Then: each tree's round is its own run's figures, compared with the first tree's
+    trees = json.loads(out.read_text())["trees"]
+    assert list(trees) == ["other", "this"]
+    assert trees["other"]["revision"] == "not a git checkout"
+    for tree in trees.values():
+        (run,) = tree["runs"]
+        got = tree["summary"]["2ms"]
+        assert got["worker_cpu_s_per_1000"] == run["steps"]["2ms"]["worker_cpu_s_per_1000"]
+        assert len(got["ratio_to_direct"]) == 1 and got["ratio_to_direct"][0] > 0
+        assert got["worker_cpu_s_per_1000_median"] > 0
+    assert "| +0.0% |" in next(line for line in result.stdout.splitlines()
+                                if line.startswith("other |"))
+    assert any(line.startswith("this |") for line in result.stdout.splitlines())
+
+
+def test_bench_generate_trees_names_a_tree_that_is_no_checkout(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/bench_generate_trees.py", "--tree", f"gone={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"--tree 'gone={tmp_path}': NAME=PATH of a checkout" in result.stderr
 
 
 def test_bench_scale_measures_every_phase_and_fits_a_line(tmp_path: Path) -> None:
