@@ -32,8 +32,8 @@ from typing import Any
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    own, sep, rest = (argv[:argv.index("--")], "--", argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, "", [])
+    cut = argv.index("--") if "--" in argv else len(argv)
+    own, rest = argv[:cut], argv[cut + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
                     help="a checkout with its .venv (linked); the first is the reference")
@@ -47,7 +47,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             ap.error(f"--tree {spec!r}: NAME=PATH of a checkout with bench/bench_generate.py")
         trees[name] = Path(path).resolve()
     args.trees = trees
-    return args, rest if sep else []
+    return args, rest
 
 
 def revision(tree: Path) -> str:
@@ -84,10 +84,9 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for run in runs:
         for step, got in run["steps"].items():
-            acc = out.setdefault(step, {"worker_cpu_s_per_1000": [], "ratio_to_direct": [],
-                                        "other_jobs_cores": []})
-            for key in acc:
-                acc[key].extend(got[key])
+            acc = out.setdefault(step, {key: [] for key in got})
+            for key, values in got.items():
+                acc[key].extend(values)
     for acc in out.values():
         for key in ("worker_cpu_s_per_1000", "ratio_to_direct"):
             acc[f"{key}_median"] = round(statistics.median(acc[key]), 4)
